@@ -1,0 +1,363 @@
+"""Replay of an allocation trace through PyTorch's CUDA caching allocator.
+
+A pure function of (events, config): no torch, no globals, no environment.
+Rules and constants follow c10/cuda/CUDACachingAllocator.cpp (torch 2.14):
+
+- requests are rounded up to ``kMinBlockSize`` (512 B)                round_size
+- requests <= ``kSmallSize`` (1 MiB) use the small pool, served from
+  ``kSmallBuffer`` (2 MiB) segments; 1-10 MiB requests get ``kLargeBuffer``
+  (20 MiB) segments; larger ones are rounded to ``kRoundLarge`` (2 MiB)       get_allocation_size
+- best fit: the smallest cached block of the pool that is large enough,
+  lowest address first on ties; oversize blocks (>= max_split_size) serve
+  only requests within ``kLargeBuffer`` of their size                       get_free_block
+- split when the remainder is >= 512 B (small pool) or > 1 MiB (large pool,
+  and only for requests below max_split_size)                             should_split
+- freed blocks merge with free neighbours of the same segment              free_block
+- a failed cudaMalloc frees oversize cached blocks (when max_split_size is
+  set), retries, then frees every cached whole segment and retries once
+  more before reporting out of memory                                      malloc
+
+``expandable_segments`` is modelled as one growing segment per pool mapped
+in 2 MiB pages (a simplification of ExpandableSegment: pages are unmapped
+only when an allocation would otherwise fail).
+
+Example:
+
+>>> r = replay([Event(True, 1, 4096), Event(False, 1, 4096)], AllocatorConfig())
+>>> (r.allocated_peak, r.reserved_peak, r.fits)
+(4096, 2097152, True)
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import NamedTuple, Sequence
+
+from estimator.errors import ReplayError
+
+KMIN_BLOCK_SIZE = 512  # kMinBlockSize: all sizes are rounded to at least 512 bytes
+KSMALL_SIZE = 1048576  # kSmallSize: largest "small" allocation is 1 MiB
+KSMALL_BUFFER = 2097152  # kSmallBuffer: "small" allocations are packed in 2 MiB blocks
+KLARGE_BUFFER = 20971520  # kLargeBuffer: "large" allocations may be packed in 20 MiB blocks
+KMIN_LARGE_ALLOC = 10485760  # kMinLargeAlloc: allocations between 1 and 10 MiB may use kLargeBuffer
+KROUND_LARGE = 2097152  # kRoundLarge: round up large allocations to 2 MiB
+EXPANDABLE_PAGE = 2097152  # ExpandableSegment maps 2 MiB pages (segment_size_ for the large pool)
+
+
+class Event(NamedTuple):
+    """One storage allocation (``alloc=True``) or its free; ``key`` pairs them."""
+
+    alloc: bool
+    key: int
+    nbytes: int
+    category: str = ""
+
+
+@dataclass(frozen=True)
+class AllocatorConfig:
+    """What ``PYTORCH_CUDA_ALLOC_CONF`` and the card decide.
+
+    ``capacity``: bytes cudaMalloc can hand out (card memory minus the CUDA
+    context and memory outside the allocator); ``None`` for unlimited.
+    """
+
+    capacity: int | None = None
+    max_split_size: int | None = None
+    expandable_segments: bool = False
+    garbage_collection_threshold: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.capacity is not None and self.capacity < 0:
+            raise ReplayError(f"capacity: got {self.capacity}; expected bytes >= 0 or None")
+        if self.max_split_size is not None and self.max_split_size < KLARGE_BUFFER:
+            # CUDAAllocatorConfig::parseMaxSplitSize: "max_split_size_mb too small"
+            raise ReplayError(
+                f"max_split_size: got {self.max_split_size}; expected >= {KLARGE_BUFFER} bytes (20 MiB)"
+            )
+
+
+@dataclass
+class ReplayResult:
+    """Peaks and timelines of one replay; timelines have one entry per event."""
+
+    allocated_peak: int
+    reserved_peak: int
+    fits: bool
+    oom_event: int | None
+    peak_event: int
+    allocated: list[int] = field(repr=False)
+    reserved: list[int] = field(repr=False)
+    breakdown_at_peak: dict[str, int] = field(default_factory=dict)
+    segments_allocated: int = 0
+    cache_flushes: int = 0
+
+
+def round_size(size: int) -> int:
+    """CUDACachingAllocator.cpp round_size (without roundup_power2_divisions)."""
+    if size < KMIN_BLOCK_SIZE:
+        return KMIN_BLOCK_SIZE
+    return KMIN_BLOCK_SIZE * ((size + KMIN_BLOCK_SIZE - 1) // KMIN_BLOCK_SIZE)
+
+
+def allocation_size(size: int) -> int:
+    """CUDACachingAllocator.cpp get_allocation_size: the cudaMalloc for a rounded request."""
+    if size <= KSMALL_SIZE:
+        return KSMALL_BUFFER
+    if size < KMIN_LARGE_ALLOC:
+        return KLARGE_BUFFER
+    return KROUND_LARGE * ((size + KROUND_LARGE - 1) // KROUND_LARGE)
+
+
+class _Block:
+    __slots__ = ("addr", "size", "small", "allocated", "prev", "next", "segment")
+
+    def __init__(self, addr: int, size: int, small: bool, segment: int) -> None:
+        self.addr = addr
+        self.size = size
+        self.small = small
+        self.allocated = False
+        self.prev: _Block | None = None
+        self.next: _Block | None = None
+        self.segment = segment
+
+
+class _Allocator:
+    def __init__(self, config: AllocatorConfig) -> None:
+        self.cfg = config
+        self.max_split = config.max_split_size if config.max_split_size is not None else 1 << 62
+        self.pools: dict[bool, list[tuple[int, int]]] = {True: [], False: []}  # (size, addr)
+        self.blocks: dict[int, _Block] = {}  # free blocks by address
+        self.reserved = 0
+        self.allocated = 0
+        self.next_addr = 1 << 20
+        self.segments = 0
+        self.flushes = 0
+        self.tails: dict[bool, _Block | None] = {True: None, False: None}  # expandable
+
+    # --- pool bookkeeping
+    def _insert(self, b: _Block) -> None:
+        bisect.insort(self.pools[b.small], (b.size, b.addr))
+        self.blocks[b.addr] = b
+
+    def _remove(self, b: _Block) -> None:
+        pool = self.pools[b.small]
+        i = bisect.bisect_left(pool, (b.size, b.addr))
+        del pool[i]
+        del self.blocks[b.addr]
+
+    def _find(self, small: bool, size: int) -> _Block | None:
+        pool = self.pools[small]
+        i = bisect.bisect_left(pool, (size, -1))
+        if i == len(pool):
+            return None
+        bsize, addr = pool[i]
+        if size < self.max_split and bsize >= self.max_split:
+            return None  # don't split an oversize block for a small request
+        if size >= self.max_split and bsize >= size + KLARGE_BUFFER:
+            return None  # oversize blocks only serve requests within kLargeBuffer
+        return self.blocks[addr]
+
+    # --- cudaMalloc / cudaFree
+    def _cuda_malloc(self, small: bool, size: int) -> _Block | None:
+        cap = self.cfg.capacity
+        if cap is not None and self.reserved + size > cap:
+            return None
+        self.reserved += size
+        self.segments += 1
+        b = _Block(self.next_addr, size, small, self.segments)
+        self.next_addr += size + (1 << 20)
+        return b
+
+    def _release_segments(self, predicate) -> int:
+        freed = 0
+        for small in (True, False):
+            for size, addr in list(self.pools[small]):
+                b = self.blocks[addr]
+                if b.prev is None and b.next is None and predicate(b):
+                    self._remove(b)
+                    self.reserved -= b.size
+                    freed += b.size
+        return freed
+
+    def _release_oversize(self, small: bool, size: int) -> bool:
+        """release_available_cached_blocks."""
+        if self.cfg.max_split_size is None:
+            return False
+        want = self.max_split if size < self.max_split else size
+        pool = self.pools[small]
+        i = bisect.bisect_left(pool, (want, -1))
+        if i < len(pool):
+            b = self.blocks[pool[i][1]]
+            self._remove(b)
+            self.reserved -= b.size
+            return True
+        released = 0
+        j = len(pool) - 1
+        while j >= 0 and released < want and pool[j][0] >= self.max_split:
+            b = self.blocks[pool[j][1]]
+            self._remove(b)
+            self.reserved -= b.size
+            released += b.size
+            j -= 1
+        return released >= want
+
+    # --- malloc / free
+    def malloc(self, nbytes: int) -> _Block | None:
+        size = round_size(nbytes)
+        small = size <= KSMALL_SIZE
+        if self.cfg.expandable_segments:
+            return self._malloc_expandable(small, size)
+        block = self._find(small, size)
+        if block is not None:
+            self._remove(block)
+        else:
+            alloc = allocation_size(size)
+            block = self._cuda_malloc(small, alloc)
+            if block is None and self._release_oversize(small, size):
+                block = self._cuda_malloc(small, alloc)
+            if block is None:
+                self.flushes += 1
+                self._release_segments(lambda b: True)
+                block = self._cuda_malloc(small, alloc)
+            if block is None:
+                return None
+        return self._split(block, size)
+
+    def _split(self, block: _Block, size: int) -> _Block:
+        remaining = block.size - size
+        if block.small or self.cfg.expandable_segments:
+            split = remaining >= KMIN_BLOCK_SIZE
+        else:
+            split = size < self.max_split and remaining > KSMALL_SIZE
+        if split:
+            rest = _Block(block.addr + size, remaining, block.small, block.segment)
+            rest.prev = block
+            rest.next = block.next
+            if block.next is not None:
+                block.next.prev = rest
+            block.next = rest
+            block.size = size
+            self._insert(rest)
+            if self.tails.get(block.small) is block:
+                self.tails[block.small] = rest
+        block.allocated = True
+        self.allocated += block.size
+        return block
+
+    def _malloc_expandable(self, small: bool, size: int) -> _Block | None:
+        block = self._find(small, size)
+        if block is not None:
+            self._remove(block)
+            return self._split(block, size)
+        tail = self.tails[small]
+        have = tail.size if tail is not None and not tail.allocated else 0
+        grow = EXPANDABLE_PAGE * ((size - have + EXPANDABLE_PAGE - 1) // EXPANDABLE_PAGE)
+        cap = self.cfg.capacity
+        if cap is not None and self.reserved + grow > cap:
+            self.flushes += 1
+            self._unmap_free_pages()
+            tail = self.tails[small]
+            have = tail.size if tail is not None and not tail.allocated else 0
+            grow = EXPANDABLE_PAGE * ((size - have + EXPANDABLE_PAGE - 1) // EXPANDABLE_PAGE)
+            if self.reserved + grow > cap:
+                return None
+        self.reserved += grow
+        if have:
+            self._remove(tail)
+            tail.size += grow
+            block = tail
+        else:
+            self.segments += 1
+            block = _Block(self.next_addr, grow, small, self.segments)
+            self.next_addr += 1 << 40
+            if tail is not None:
+                tail.next = block
+                block.prev = tail
+        self.tails[small] = block
+        return self._split(block, size)
+
+    def _unmap_free_pages(self) -> None:
+        # Unmapping returns the whole pages inside free blocks.
+        for small in (True, False):
+            for size, addr in list(self.pools[small]):
+                b = self.blocks[addr]
+                lo = (b.addr + EXPANDABLE_PAGE - 1) // EXPANDABLE_PAGE
+                hi = (b.addr + b.size) // EXPANDABLE_PAGE
+                if hi > lo:
+                    self.reserved -= (hi - lo) * EXPANDABLE_PAGE
+
+    def free(self, block: _Block) -> None:
+        block.allocated = False
+        self.allocated -= block.size
+        for nb in (block.prev, block.next):
+            if nb is not None and not nb.allocated:
+                self._remove(nb)
+                if nb is block.prev:
+                    nb.size += block.size
+                    nb.next = block.next
+                    if block.next is not None:
+                        block.next.prev = nb
+                    if self.tails.get(block.small) is block:
+                        self.tails[block.small] = nb
+                    block = nb
+                else:
+                    block.size += nb.size
+                    block.next = nb.next
+                    if nb.next is not None:
+                        nb.next.prev = block
+                    if self.tails.get(block.small) is nb:
+                        self.tails[block.small] = block
+        self._insert(block)
+
+
+def replay(events: Sequence[Event], config: AllocatorConfig) -> ReplayResult:
+    """Run ``events`` through the caching-allocator model; stop at the first OOM."""
+    a = _Allocator(config)
+    live: dict[int, tuple[_Block, str]] = {}
+    by_cat: dict[str, int] = {}
+    allocated: list[int] = []
+    reserved: list[int] = []
+    alloc_peak = reserved_peak = 0
+    peak_event = 0
+    peak_breakdown: dict[str, int] = {}
+    oom: int | None = None
+    for i, ev in enumerate(events):
+        if ev.alloc:
+            if ev.key in live:
+                raise ReplayError(f"event {i}: key {ev.key} allocated twice without a free")
+            if ev.nbytes < 0:
+                raise ReplayError(f"event {i}: nbytes {ev.nbytes}; expected >= 0")
+            block = a.malloc(ev.nbytes)
+            if block is None:
+                oom = i
+                break
+            live[ev.key] = (block, ev.category)
+            by_cat[ev.category] = by_cat.get(ev.category, 0) + block.size
+        else:
+            entry = live.pop(ev.key, None)
+            if entry is None:
+                raise ReplayError(f"event {i}: free of key {ev.key} that is not allocated")
+            block, cat = entry
+            by_cat[cat] -= block.size
+            a.free(block)
+        allocated.append(a.allocated)
+        reserved.append(a.reserved)
+        if a.allocated > alloc_peak:
+            alloc_peak = a.allocated
+            peak_event = i
+            peak_breakdown = {k: v for k, v in by_cat.items() if v}
+        if a.reserved > reserved_peak:
+            reserved_peak = a.reserved
+    return ReplayResult(
+        allocated_peak=alloc_peak,
+        reserved_peak=reserved_peak,
+        fits=oom is None,
+        oom_event=oom,
+        peak_event=peak_event,
+        allocated=allocated,
+        reserved=reserved,
+        breakdown_at_peak=peak_breakdown,
+        segments_allocated=a.segments,
+        cache_flushes=a.flushes,
+    )

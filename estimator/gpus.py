@@ -1,0 +1,118 @@
+"""The GPU catalog.
+
+``memory_bytes`` is what ``nvidia-smi --query-gpu=memory.total`` reports
+(MiB x 1,048,576), not the marketing GiB. ``context_bytes`` is the CUDA
+context plus the kernel images torch loads (what nvidia-smi shows for a
+process right after ``torch.cuda.init()`` and the first kernel launch), from
+published measurements; it depends on the driver and CUDA version, so it is
+a default, overridable per request. ``cublas_workspace_bytes`` is torch's
+default cuBLAS workspace (aten/src/ATen/cuda/CublasHandlePool.cpp,
+``parseChosenWorkspaceSize``: ``4096*8*1024`` on sm90+, else
+``4096*1024*2 + 16*1024*8``); cuBLASLt shares it (``TORCH_CUBLASLT_UNIFIED_WORKSPACE``
+defaults on). It is allocated through the caching allocator, once per
+(handle, stream): the forward thread and the autograd device thread each hold one.
+``peak_tflops`` is dense (no sparsity) bf16/fp16 tensor-core throughput and
+fp32 (non-TF32) throughput from the vendor's datasheet.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+
+from estimator.errors import UnknownGPUError
+
+MIB = 1024 * 1024
+WORKSPACE_SM90 = 4096 * 8 * 1024  # CublasHandlePool.cpp, sm90+: 32 MiB
+WORKSPACE_DEFAULT = 4096 * 1024 * 2 + 16 * 1024 * 8  # CublasHandlePool.cpp, older: 8 MiB + 128 KiB
+
+
+@dataclass(frozen=True)
+class GPU:
+    """One card: ``GPU("A100-80GB", 81920 * MIB, (8, 0), ...)``."""
+
+    name: str
+    memory_bytes: int
+    capability: tuple[int, int]
+    context_bytes: int
+    peak_tflops_bf16: float
+    peak_tflops_fp32: float
+    description: str = ""
+
+    @property
+    def cublas_workspace_bytes(self) -> int:
+        return WORKSPACE_SM90 if self.capability >= (9, 0) else WORKSPACE_DEFAULT
+
+    @property
+    def compute_capability(self) -> str:
+        return f"{self.capability[0]}.{self.capability[1]}"
+
+
+# Context sizes: measured with torch 2.x / CUDA 12: about 300-500 MiB, larger
+# on Hopper (more kernel images and a larger context; PyTorch forum and
+# issue #12873-style reports: ~ 480-530 MiB on H100, ~ 420 MiB on A100,
+# ~ 300-330 MiB on V100/T4). Lazy module loading (CUDA_MODULE_LOADING=LAZY,
+# default since CUDA 11.7) keeps them at these levels.
+_CATALOG: tuple[GPU, ...] = (
+    # V100: nvidia-smi 16160 MiB / 32510 MiB (SXM2); 125 TFLOPS fp16 tensor, 15.7 fp32 (V100 datasheet)
+    GPU("V100-16GB", 16160 * MIB, (7, 0), 310 * MIB, 125.0, 15.7, "Tesla V100-SXM2-16GB"),
+    GPU("V100-32GB", 32510 * MIB, (7, 0), 310 * MIB, 125.0, 15.7, "Tesla V100-SXM2-32GB"),
+    # T4: 15360 MiB; 65 TFLOPS fp16, 8.1 fp32 (T4 datasheet)
+    GPU("T4-16GB", 15360 * MIB, (7, 5), 300 * MIB, 65.0, 8.1, "Tesla T4"),
+    # A10G: 23028 MiB (AWS g5); 70 TFLOPS bf16 dense (A10G spec: 140 with sparsity), 31.2 fp32
+    GPU("A10G-24GB", 23028 * MIB, (8, 6), 400 * MIB, 70.0, 31.2, "NVIDIA A10G"),
+    # L4: 23034 MiB; 121 TFLOPS bf16 dense (242 sparse), 30.3 fp32 (L4 datasheet)
+    GPU("L4-24GB", 23034 * MIB, (8, 9), 400 * MIB, 121.0, 30.3, "NVIDIA L4"),
+    # RTX 3090: 24576 MiB; 71 TFLOPS fp16 tensor (dense, fp32 accumulate), 35.6 fp32 (GA102 whitepaper)
+    GPU("RTX3090-24GB", 24576 * MIB, (8, 6), 400 * MIB, 71.0, 35.6, "NVIDIA GeForce RTX 3090"),
+    # RTX 4090: 24564 MiB; 165 TFLOPS fp16 tensor dense (fp32 accumulate), 82.6 fp32 (Ada whitepaper)
+    GPU("RTX4090-24GB", 24564 * MIB, (8, 9), 420 * MIB, 165.0, 82.6, "NVIDIA GeForce RTX 4090"),
+    # A100: 40960 MiB (SXM4-40GB), 81920 MiB (SXM4-80GB); 312 TFLOPS bf16 dense, 19.5 fp32 (A100 datasheet)
+    GPU("A100-40GB", 40960 * MIB, (8, 0), 420 * MIB, 312.0, 19.5, "NVIDIA A100-SXM4-40GB"),
+    GPU("A100-80GB", 81920 * MIB, (8, 0), 420 * MIB, 312.0, 19.5, "NVIDIA A100-SXM4-80GB"),
+    # H100 SXM: 81559 MiB; 989 TFLOPS bf16 dense, 67 fp32. PCIe: 81559 MiB; 756 bf16, 51 fp32 (H100 datasheet)
+    GPU("H100-80GB", 81559 * MIB, (9, 0), 520 * MIB, 989.0, 67.0, "NVIDIA H100 80GB HBM3 (SXM)"),
+    GPU("H100-SXM-80GB", 81559 * MIB, (9, 0), 520 * MIB, 989.0, 67.0, "NVIDIA H100 80GB HBM3"),
+    GPU("H100-PCIe-80GB", 81559 * MIB, (9, 0), 520 * MIB, 756.0, 51.0, "NVIDIA H100 PCIe"),
+    # H200: 143771 MiB; 989 TFLOPS bf16 dense, 67 fp32 (H200 datasheet)
+    GPU("H200-141GB", 143771 * MIB, (9, 0), 520 * MIB, 989.0, 67.0, "NVIDIA H200"),
+    # L40S: 46068 MiB; 362 TFLOPS bf16 dense (733 sparse), 91.6 fp32 (L40S datasheet)
+    GPU("L40S-48GB", 46068 * MIB, (8, 9), 430 * MIB, 362.0, 91.6, "NVIDIA L40S"),
+    # MIG profiles: memory as nvidia-smi reports the GPU instance (MIG user guide,
+    # "Supported profiles"); compute scales with the slice count (1/7 .. 7/7).
+    GPU("A100-40GB-MIG-1g.5gb", 4864 * MIB, (8, 0), 350 * MIB, 312.0 / 7, 19.5 / 7, "A100 40GB MIG 1g.5gb"),
+    GPU("A100-40GB-MIG-2g.10gb", 9856 * MIB, (8, 0), 350 * MIB, 312.0 * 2 / 7, 19.5 * 2 / 7, "A100 40GB MIG 2g.10gb"),
+    GPU("A100-40GB-MIG-3g.20gb", 19968 * MIB, (8, 0), 380 * MIB, 312.0 * 3 / 7, 19.5 * 3 / 7, "A100 40GB MIG 3g.20gb"),
+    GPU("A100-80GB-MIG-1g.10gb", 9728 * MIB, (8, 0), 350 * MIB, 312.0 / 7, 19.5 / 7, "A100 80GB MIG 1g.10gb"),
+    GPU("A100-80GB-MIG-2g.20gb", 19968 * MIB, (8, 0), 380 * MIB, 312.0 * 2 / 7, 19.5 * 2 / 7, "A100 80GB MIG 2g.20gb"),
+    GPU("A100-80GB-MIG-3g.40gb", 40192 * MIB, (8, 0), 400 * MIB, 312.0 * 3 / 7, 19.5 * 3 / 7, "A100 80GB MIG 3g.40gb"),
+    GPU("H100-80GB-MIG-1g.10gb", 9984 * MIB, (9, 0), 450 * MIB, 989.0 / 7, 67.0 / 7, "H100 80GB MIG 1g.10gb"),
+    GPU("H100-80GB-MIG-2g.20gb", 20096 * MIB, (9, 0), 470 * MIB, 989.0 * 2 / 7, 67.0 * 2 / 7, "H100 80GB MIG 2g.20gb"),
+    GPU("H100-80GB-MIG-3g.40gb", 40448 * MIB, (9, 0), 500 * MIB, 989.0 * 3 / 7, 67.0 * 3 / 7, "H100 80GB MIG 3g.40gb"),
+)
+
+CATALOG: dict[str, GPU] = {g.name: g for g in _CATALOG}
+CATALOG_VERSION = "2026-11-29"
+
+
+def get_gpu(name: str, field: str = "gpus") -> GPU:
+    """A catalog card by name (case-insensitive); ``UnknownGPUError`` with suggestions otherwise."""
+    if not isinstance(name, str):
+        raise UnknownGPUError(field, name, [])
+    for key, gpu in CATALOG.items():
+        if key.lower() == name.lower():
+            return gpu
+    lowered = {k.lower(): k for k in CATALOG}
+    close = difflib.get_close_matches(name.lower(), list(lowered), n=3, cutoff=0.5)
+    raise UnknownGPUError(field, name, [lowered[c] for c in close])
+
+
+def custom_gpu(name: str, memory_bytes: int, compute_capability: str = "8.0", context_bytes: int = 450 * MIB) -> GPU:
+    """A card that is not in the catalog, described by the caller."""
+    try:
+        major, minor = (int(x) for x in compute_capability.split("."))
+    except ValueError as exc:
+        from estimator.errors import SpecError
+
+        raise SpecError("gpus[].compute_capability", compute_capability, "'MAJOR.MINOR', e.g. '8.0'") from exc
+    return GPU(name, int(memory_bytes), (major, minor), int(context_bytes), 0.0, 0.0, "custom")

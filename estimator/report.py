@@ -1,0 +1,140 @@
+"""From an event trace to a memory report for one card.
+
+>>> report = estimate_memory(factory, batches, loss_fn, 32, gpu="A100-80GB")   # doctest: +SKIP
+>>> report.device_peak_bytes - report.reserved_peak_bytes == report.context_bytes
+True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from estimator.allocator import AllocatorConfig, replay
+from estimator.gpus import GPU, get_gpu
+from estimator.recipe import Recipe
+from estimator.trace import BatchFactory, LossFn, ModelFactory, Trace, record_training
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Bytes live at the allocated peak, by category (allocator block sizes)."""
+
+    parameters: int = 0
+    buffers: int = 0
+    gradients: int = 0
+    optimizer_state: int = 0
+    activations: int = 0
+    temporaries: int = 0
+    inputs: int = 0
+    workspace: int = 0
+
+    @classmethod
+    def from_categories(cls, by_cat: dict[str, int]) -> "Breakdown":
+        return cls(
+            parameters=by_cat.get("parameter", 0),
+            buffers=by_cat.get("buffer", 0),
+            gradients=by_cat.get("gradient", 0),
+            optimizer_state=by_cat.get("optimizer_state", 0),
+            activations=by_cat.get("activation", 0),
+            temporaries=by_cat.get("temporary", 0),
+            inputs=by_cat.get("input", 0),
+            workspace=by_cat.get("workspace", 0),
+        )
+
+    def total(self) -> int:
+        return sum(vars(self).values())
+
+
+@dataclass
+class MemoryReport:
+    """What one training step needs on one card.
+
+    ``allocated_peak_bytes``: ``torch.cuda.max_memory_allocated()``;
+    ``reserved_peak_bytes``: ``torch.cuda.max_memory_reserved()``;
+    ``device_peak_bytes``: what nvidia-smi shows, reserved + CUDA context.
+    For the CPU target (``gpu=None``) all three are the peak of live bytes.
+    """
+
+    gpu: str
+    batch_size: int
+    allocated_peak_bytes: int
+    reserved_peak_bytes: int
+    device_peak_bytes: int
+    context_bytes: int
+    capacity_bytes: int | None
+    fits: bool
+    breakdown: Breakdown
+    peak_phase: str
+    peak_module: str
+    peak_iteration: int
+    unsupported: list[str] = field(default_factory=list)
+    assumptions: list[str] = field(default_factory=list)
+    trace: Trace | None = field(default=None, repr=False)
+
+
+def report_from_trace(
+    trace: Trace, batch_size: int, gpu: GPU | None, allocator: AllocatorConfig | None = None
+) -> MemoryReport:
+    """Replay ``trace`` for ``gpu`` (unlimited for the peaks, capped for ``fits``)."""
+    allocator = allocator or AllocatorConfig()
+    events = trace.allocator_events()
+    if gpu is None:
+        peak, idx = trace.live_peak()
+        by_cat: dict[str, int] = {}
+        live: dict[int, int] = {}
+        for i, (is_alloc, k) in enumerate(trace.events[: idx + 1]):
+            if is_alloc:
+                live[k] = trace.allocations[k].nbytes
+            else:
+                live.pop(k, None)
+        for k, n in live.items():
+            cat = trace.allocations[k].category
+            by_cat[cat] = by_cat.get(cat, 0) + n
+        at = trace.allocations[trace.events[idx][1]] if trace.events else None
+        return MemoryReport(
+            "cpu", batch_size, peak, peak, peak, 0, None, True, Breakdown.from_categories(by_cat),
+            at.phase if at else "", at.module if at else "", at.iteration if at else 0,
+            list(trace.unsupported), list(trace.assumptions), trace,
+        )
+    unlimited = replay(events, AllocatorConfig(
+        None, allocator.max_split_size, allocator.expandable_segments, allocator.garbage_collection_threshold
+    ))
+    capacity = max(gpu.memory_bytes - gpu.context_bytes, 0)
+    capped = replay(events, AllocatorConfig(
+        capacity, allocator.max_split_size, allocator.expandable_segments, allocator.garbage_collection_threshold
+    ))
+    at = trace.allocations[trace.events[unlimited.peak_event][1]] if trace.events else None
+    assumptions = list(trace.assumptions) + [
+        f"CUDA context on {gpu.name}: {gpu.context_bytes // 2**20} MiB (catalog default; driver dependent)",
+        f"cuBLAS workspace {gpu.cublas_workspace_bytes} B per handle, allocated through the caching allocator",
+    ]
+    return MemoryReport(
+        gpu.name, batch_size,
+        unlimited.allocated_peak, unlimited.reserved_peak, unlimited.reserved_peak + gpu.context_bytes,
+        gpu.context_bytes, capacity, capped.fits, Breakdown.from_categories(unlimited.breakdown_at_peak),
+        at.phase if at else "", at.module if at else "", at.iteration if at else 0,
+        list(trace.unsupported), assumptions, trace,
+    )
+
+
+def estimate_memory(
+    model_factory: ModelFactory,
+    batch_factory: BatchFactory,
+    loss_fn: LossFn,
+    batch_size: int,
+    *,
+    recipe: Recipe | None = None,
+    gpu: str | GPU | None = "A100-80GB",
+    allocator: AllocatorConfig | None = None,
+) -> MemoryReport:
+    """Simulate training steps of the model on ``gpu`` and report peak memory.
+
+    ``model_factory()`` is called under ``torch.device("meta")``;
+    ``batch_factory(batch_size, device)`` returns ``(inputs, targets)`` where
+    ``inputs`` is a tensor, a tuple (positional) or a dict (keyword arguments);
+    ``loss_fn(outputs, targets)`` returns the scalar loss. ``gpu=None``
+    targets the CPU.
+    """
+    card = get_gpu(gpu) if isinstance(gpu, str) else gpu
+    trace = record_training(model_factory, batch_factory, loss_fn, batch_size, recipe or Recipe(), card)
+    return report_from_trace(trace, batch_size, card, allocator)

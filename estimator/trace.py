@@ -1,0 +1,348 @@
+"""Run a training step on the virtual GPU and record every allocation.
+
+The event trace is the contract between the simulator and everything after
+it (DESIGN): an ordered list of allocations and frees of storages, each
+allocation with its bytes, category, owning module, phase and iteration.
+
+>>> trace = record_training(factory, batches, loss_fn, 8, Recipe(), gpu)   # doctest: +SKIP
+>>> trace.allocations[0].category
+'parameter'
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from estimator.allocator import Event
+from estimator.checkpointing import enable_checkpointing
+from estimator.errors import DataDependentError, SimulationError, SpecError
+from estimator.gpus import GPU
+from estimator.optimizers import build_optimizer
+from estimator.recipe import Recipe
+from estimator.virtual_gpu import VirtualGPU
+
+CATEGORIES = (
+    "parameter", "buffer", "gradient", "optimizer_state", "activation", "temporary", "input", "workspace",
+)
+# Ops that run cuBLAS: the first one on a thread allocates the handle's workspace.
+_CUBLAS_OPS = frozenset(
+    name for name in ("mm", "addmm", "bmm", "baddbmm", "addbmm", "_addmm_activation", "addmv", "mv", "_scaled_mm")
+)
+
+ModelFactory = Callable[[], torch.nn.Module]
+BatchFactory = Callable[[int, torch.device], tuple[Any, Any]]
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+@dataclass
+class Allocation:
+    """One storage: ``nbytes`` as requested from the allocator."""
+
+    nbytes: int
+    phase: str
+    module: str
+    op: str
+    iteration: int
+    category: str = ""
+
+
+@dataclass
+class Trace:
+    """Allocations and the ordered alloc/free events that reference them."""
+
+    allocations: list[Allocation] = field(default_factory=list)
+    events: list[tuple[bool, int]] = field(default_factory=list)
+    unsupported: list[str] = field(default_factory=list)
+    assumptions: list[str] = field(default_factory=list)
+    flops: int = 0
+
+    def allocator_events(self) -> list[Event]:
+        allocs = self.allocations
+        return [Event(a, k, allocs[k].nbytes, allocs[k].category) for a, k in self.events]
+
+    def live_peak(self) -> tuple[int, int]:
+        """(peak of live requested bytes, event index): what a profiler of the raw allocator sees."""
+        live = peak = idx = 0
+        allocs = self.allocations
+        for i, (is_alloc, k) in enumerate(self.events):
+            live += allocs[k].nbytes if is_alloc else -allocs[k].nbytes
+            if live > peak:
+                peak, idx = live, i
+        return peak, idx
+
+
+class Recorder:
+    """Observes every op on the virtual GPU and records storage lifetimes."""
+
+    def __init__(self, vgpu: VirtualGPU, workspace_bytes: int) -> None:
+        self.vgpu = vgpu
+        self.device_type = vgpu.device.type
+        self.trace = Trace()
+        self.live: dict[int, int] = {}
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self.phase = "setup"
+        self.iteration = 0
+        self.module_stack: list[str] = []
+        self.node_modules: dict[int, str] = {}
+        self.workspace_bytes = workspace_bytes
+        self.workspaces: set[str] = set()
+        self.survivors: set[int] = set()
+        vgpu.observer = self.observe
+        vgpu.memory_allocated = lambda: self.live_bytes
+        vgpu.max_memory_allocated = lambda: self.peak_bytes
+        vgpu.reset_peak = self._reset_peak
+
+    def _reset_peak(self) -> None:
+        self.peak_bytes = self.live_bytes
+
+    def module(self) -> str:
+        engine = self.vgpu.engine
+        if engine.node_stack:
+            node = engine.node_stack[-1]
+            seq = node._sequence_nr() if hasattr(node, "_sequence_nr") else -1
+            return self.node_modules.get(seq, "")
+        return self.module_stack[-1] if self.module_stack else ""
+
+    def observe(self, func, args, kwargs, out) -> None:
+        name = func._schema.name.split("::")[-1]
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type == self.device_type:
+                self.track(t, name)
+        if self.workspace_bytes and name in _CUBLAS_OPS:
+            thread = "backward" if self.vgpu.engine.node_stack else "forward"
+            if thread not in self.workspaces:
+                self.workspaces.add(thread)
+                self._alloc(self.workspace_bytes, f"cublas_workspace[{thread}]", "workspace")
+
+    def track(self, t: torch.Tensor, op: str) -> None:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key in self.live:
+            return
+        nbytes = storage.nbytes()
+        if nbytes == 0:
+            return  # the caching allocator hands out no block for 0 bytes
+        aid = self._alloc(nbytes, op, "")
+        self.live[key] = aid
+        fin = weakref.finalize(storage, self._free, key, aid)
+        fin.atexit = False
+
+    def _alloc(self, nbytes: int, op: str, category: str) -> int:
+        aid = len(self.trace.allocations)
+        self.trace.allocations.append(
+            Allocation(nbytes, self.phase, self.module(), op, self.iteration, category)
+        )
+        self.trace.events.append((True, aid))
+        self.live_bytes += nbytes
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes = self.live_bytes
+        return aid
+
+    def _free(self, key: int, aid: int) -> None:
+        if self.live.get(key) == aid:
+            del self.live[key]
+        self.trace.events.append((False, aid))
+        self.live_bytes -= self.trace.allocations[aid].nbytes
+
+    def mark(self, tensors, category: str) -> None:
+        """Give the storages of ``tensors`` a category (parameters, grads, states)."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.device.type == self.device_type:
+                aid = self.live.get(t.untyped_storage()._cdata)
+                if aid is not None:
+                    self.trace.allocations[aid].category = category
+
+    def finish(self) -> Trace:
+        """Categorize what is left: activations survive until backward, the rest is temporary."""
+        for k, a in enumerate(self.trace.allocations):
+            if a.category:
+                continue
+            if a.phase == "input":
+                a.category = "input"
+            elif a.phase in ("forward", "loss") and k in self.survivors:
+                a.category = "activation"
+            else:
+                a.category = "temporary"
+        return self.trace
+
+    def snapshot_survivors(self) -> None:
+        """Called when a backward starts: live forward allocations are activations."""
+        self.survivors.update(self.live.values())
+
+
+class _ModuleTracker:
+    """Global forward hooks that keep the module path stack of the recorder."""
+
+    def __init__(self, recorder: Recorder, root: torch.nn.Module) -> None:
+        self.recorder = recorder
+        self.names = {id(m): (n or type(root).__name__) for n, m in root.named_modules()}
+        self.handles: list[Any] = []
+
+    def __enter__(self) -> "_ModuleTracker":
+        stack = self.recorder.module_stack
+        names = self.names
+
+        def pre(module, args):
+            stack.append(names.get(id(module), type(module).__name__))
+
+        def post(module, args, output):
+            if stack:
+                stack.pop()
+
+        self.handles = [
+            torch.nn.modules.module.register_module_forward_pre_hook(pre),
+            torch.nn.modules.module.register_module_forward_hook(post, always_call=True),
+        ]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _unsupported_hooks(model: torch.nn.Module) -> list[str]:
+    notes = []
+    for name, m in model.named_modules():
+        if m._backward_hooks or m._backward_pre_hooks:
+            notes.append(f"module backward hooks on {name or 'model'} are not run by the simulated engine")
+    if torch.nn.modules.module._global_backward_hooks or torch.nn.modules.module._global_backward_pre_hooks:
+        notes.append("global module backward hooks are not run by the simulated engine")
+    return notes
+
+
+def record_training(
+    model_factory: ModelFactory,
+    batch_factory: BatchFactory,
+    loss_fn: LossFn,
+    batch_size: int,
+    recipe: Recipe,
+    gpu: GPU | None,
+    *,
+    subclass_like: bool = False,
+    cpp_engine: bool = False,
+) -> Trace:
+    """Simulate ``recipe.iterations`` training steps and return the event trace.
+
+    Per iteration: zero_grad -> (input -> forward -> loss -> backward) x
+    accumulation steps -> optimizer step (GradScaler for amp-fp16). Model
+    outputs are released once the loss is computed, and the loss once
+    backward has run, as in the Hugging Face Trainer and Lightning loops.
+    """
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise SpecError("batch_size", batch_size, "an integer >= 1")
+    with torch.device("meta"):
+        try:
+            meta_model = model_factory()
+        except Exception as exc:
+            raise SimulationError(f"the model factory failed: {type(exc).__name__}: {exc}", "build") from exc
+    if not isinstance(meta_model, torch.nn.Module):
+        raise SpecError("model", type(meta_model).__name__, "a factory returning a torch.nn.Module")
+    if recipe.precision == "bf16":
+        meta_model = meta_model.to(torch.bfloat16)
+    workspace = gpu.cublas_workspace_bytes if gpu is not None else 0
+    vgpu = VirtualGPU(gpu, subclass_like=subclass_like, cpp_engine=cpp_engine)
+    recorder = Recorder(vgpu, workspace)
+    with vgpu:
+        with torch.autograd.graph.node_creation_hook(
+            lambda node: recorder.node_modules.__setitem__(node._sequence_nr(), recorder.module())
+        ):
+            _run(vgpu, recorder, meta_model, batch_factory, loss_fn, batch_size, recipe)
+    trace = recorder.finish()
+    trace.unsupported.extend(vgpu.unsupported)
+    return trace
+
+
+def _run(vgpu, recorder, meta_model, batch_factory, loss_fn, batch_size, recipe) -> None:
+    recorder.phase = "setup"
+    model = vgpu.materialize(meta_model)
+    model.train()
+    recorder.mark(model.parameters(), "parameter")
+    recorder.mark(model.buffers(), "buffer")
+    recorder.trace.unsupported.extend(_unsupported_hooks(model))
+    if recipe.gradient_checkpointing:
+        recorder.trace.assumptions.append(enable_checkpointing(model, recipe.gradient_checkpointing))
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = build_optimizer(recipe, params)
+    scaler = torch.amp.GradScaler(vgpu.device.type) if recipe.uses_grad_scaler else None
+    vgpu.engine.on_backward_end = lambda: recorder.mark((p.grad for p in params), "gradient")
+    batch = None
+    with _ModuleTracker(recorder, model):
+        for it in range(recipe.iterations):
+            recorder.iteration = it
+            recorder.phase = "zero_grad"
+            optimizer.zero_grad(set_to_none=recipe.zero_grad_set_to_none)
+            for _ in range(recipe.grad_accumulation_steps):
+                recorder.phase = "input"
+                batch = _call("input", lambda: batch_factory(batch_size, vgpu.device), recorder)
+                inputs, targets = batch
+                loss = _forward(vgpu, recorder, model, inputs, targets, loss_fn, recipe)
+                recorder.phase = "backward"
+                recorder.snapshot_survivors()
+                if recipe.grad_accumulation_steps > 1:
+                    loss = loss / recipe.grad_accumulation_steps
+                if scaler is not None:
+                    loss = scaler.scale(loss)
+                _call("backward", loss.backward, recorder)
+                recorder.mark((p.grad for p in params), "gradient")
+                del loss, inputs, targets
+            recorder.phase = "optimizer"
+            vgpu.allow_item = True
+            try:
+                if scaler is not None:
+                    _call("optimizer", lambda: scaler.step(optimizer), recorder)
+                    scaler.update()
+                else:
+                    _call("optimizer", optimizer.step, recorder)
+            finally:
+                vgpu.allow_item = False
+            recorder.mark(tree_leaves(list(optimizer.state.values())), "optimizer_state")
+        recorder.phase = "teardown"
+        del batch
+
+
+def _forward(vgpu, recorder, model, inputs, targets, loss_fn, recipe) -> torch.Tensor:
+    vgpu.autocast(recipe.autocast_dtype)
+    try:
+        recorder.phase = "forward"
+        if isinstance(inputs, dict):
+            out = _call("forward", lambda: model(**inputs), recorder)
+        elif isinstance(inputs, (tuple, list)):
+            out = _call("forward", lambda: model(*inputs), recorder)
+        else:
+            out = _call("forward", lambda: model(inputs), recorder)
+        recorder.phase = "loss"
+        loss = _call("loss", lambda: loss_fn(out, targets), recorder)
+        del out
+    finally:
+        vgpu.autocast(None)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise SimulationError("the loss must be a tensor with one element", "loss")
+    return loss
+
+
+def _call(phase: str, fn, recorder: Recorder):
+    try:
+        return fn()
+    except (SimulationError, SpecError):
+        raise
+    except torch._subclasses.fake_tensor.DataDependentOutputException as exc:
+        raise DataDependentError(
+            f"the model reads a tensor's value ({exc.func}), which a simulation without data cannot know",
+            where=f"{phase}, module {recorder.module() or '<top>'}",
+        ) from exc
+    except Exception as exc:
+        cause = exc
+        while cause.__cause__ is not None and not isinstance(cause, DataDependentError):
+            cause = cause.__cause__
+        if isinstance(cause, DataDependentError):
+            raise DataDependentError(str(cause).split(" (in ")[0], f"{phase}, module {recorder.module() or '<top>'}") from exc
+        raise SimulationError(
+            f"{type(exc).__name__}: {exc}", f"{phase}, module {recorder.module() or '<top>'}"
+        ) from exc

@@ -1,0 +1,216 @@
+"""Make a CPU-only host behave, for PyTorch, like a named target GPU.
+
+>>> from estimator.gpus import get_gpu
+>>> with VirtualGPU(get_gpu("A100-80GB")) as vgpu:          # doctest: +SKIP
+...     model = vgpu.materialize(meta_model)
+...     loss = model(torch.empty(8, 3, 224, 224, device="cuda")).sum()
+...     loss.backward()                                       # our engine
+
+Inside: tensors are fake (no memory, no data); ``torch.autograd.backward``,
+``torch.autograd.grad`` and ``Tensor.backward`` run ``Engine``; autocast,
+SDPA backend, optimizer defaults and ``torch.cuda`` queries answer as on the
+target card. Everything patched is put back on exit (DESIGN fact 10).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.optim.optimizer as _optim
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from estimator.errors import DataDependentError
+from estimator.gpus import GPU
+from estimator.virtual_gpu.attention import choose_backend
+from estimator.virtual_gpu.device import DeviceProperties, Patches, patch_cuda_queries
+from estimator.virtual_gpu.engine import Engine, SavedTensors, TensorHooks
+
+Observer = Callable[[Any, tuple, dict, Any], None]
+
+
+class _FakeMode(FakeTensorMode):
+    """FakeTensorMode that never initializes a device, even though
+    ``torch.cuda.is_available()`` answers True inside the virtual GPU."""
+
+    @property
+    def avoid_device_init(self) -> bool:
+        return True
+
+
+class _DispatchMode(TorchDispatchMode):
+    """Sits above FakeTensorMode: backend choice, ``.item()`` policy, observer."""
+
+    def __init__(self, vgpu: "VirtualGPU") -> None:
+        super().__init__()
+        self.vgpu = vgpu
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        vgpu = self.vgpu
+        if func is torch.ops.aten._fused_sdp_choice.default and vgpu.is_cuda:
+            q, k, v = args[:3]
+            mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+            dropout = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
+            return int(choose_backend(vgpu.capability, q, k, v, mask, dropout))
+        if func is torch.ops.aten._local_scalar_dense.default:
+            return vgpu._scalar(args[0])
+        out = func(*args, **kwargs)
+        if vgpu.observer is not None:
+            vgpu.observer(func, args, kwargs, out)
+        return out
+
+
+class VirtualGPU:
+    """Context manager: the host looks like ``gpu`` to PyTorch while inside.
+
+    ``gpu=None`` targets the CPU itself (fake CPU tensors), which lets tests
+    compare predictions with real CPU runs. ``subclass_like=True`` makes the
+    engine reproduce the C++ engine's behaviour on fake tensors (used by the
+    engine parity tests).
+    """
+
+    def __init__(
+        self, gpu: GPU | None, *, subclass_like: bool = False, observer: Observer | None = None,
+        cpp_engine: bool = False,
+    ) -> None:
+        self.gpu = gpu
+        self.is_cuda = gpu is not None
+        self.device = torch.device("cuda", 0) if self.is_cuda else torch.device("cpu")
+        self.capability = gpu.capability if gpu is not None else (0, 0)
+        self.observer = observer
+        self.saved = SavedTensors()
+        self.hooks = TensorHooks()
+        self.engine = Engine(self.saved, self.hooks, subclass_like=subclass_like)
+        self.allow_item = False
+        # Tests only: leave torch's C++ engine in charge (works for fake CPU tensors).
+        self.cpp_engine = cpp_engine and gpu is None
+        self.unsupported: list[str] = []
+        self.memory_allocated: Callable[[], int] = lambda: 0
+        self.max_memory_allocated: Callable[[], int] = lambda: 0
+        self.reset_peak: Callable[[], None] = lambda: None
+        self._patches = Patches()
+        self._fake: _FakeMode | None = None
+        self._mode: _DispatchMode | None = None
+        self._hooks_ctx = None
+        self._autocast_state: tuple | None = None
+
+    # --- lifecycle
+    def __enter__(self) -> "VirtualGPU":
+        p = self._patches
+        try:
+            if not self.cpp_engine:
+                engine_run = self.engine.run_backward
+                p.set(torch.autograd.graph, "_engine_run_backward", engine_run)
+                p.set(torch.autograd, "_engine_run_backward", engine_run)
+            p.set(torch.Tensor, "register_hook", self._wrap_register_hook(torch.Tensor.register_hook))
+            p.set(torch.autograd.function.Function, "apply", self._wrap_function_apply())
+            if self.is_cuda:
+                props = DeviceProperties(
+                    name=self.gpu.name, major=self.capability[0], minor=self.capability[1],
+                    total_memory=self.gpu.memory_bytes,
+                )
+                patch_cuda_queries(
+                    p, props,
+                    lambda: self.memory_allocated(),
+                    lambda: self.max_memory_allocated(),
+                    lambda: self.reset_peak(),
+                )
+                # DESIGN fact 6: FakeTensor is not a foreach type, so optimizers
+                # would take the single-tensor path a real GPU never takes.
+                p.set(_optim, "_foreach_supported_types", list(_optim._foreach_supported_types) + [FakeTensor])
+            self._fake = _FakeMode(allow_non_fake_inputs=True)
+            self._fake.__enter__()
+            self._mode = _DispatchMode(self)
+            self._mode.__enter__()
+            if not self.cpp_engine:
+                self._hooks_ctx = self.saved.hooks()
+                self._hooks_ctx.__enter__()
+        except BaseException:
+            self._exit()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._exit()
+
+    def _exit(self) -> None:
+        self.autocast(None)
+        if self._hooks_ctx is not None:
+            self._hooks_ctx.__exit__(None, None, None)
+            self._hooks_ctx = None
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self._mode = None
+        if self._fake is not None:
+            self._fake.__exit__(None, None, None)
+            self._fake = None
+        self._patches.restore()
+
+    # --- helpers used by the simulator
+    def materialize(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Move a meta-device module onto the virtual device (DESIGN fact 3)."""
+        return module.to_empty(device=self.device)
+
+    def autocast(self, dtype: torch.dtype | None) -> None:
+        """Switch CUDA's (or CPU's) real autocast policy on for ``dtype``, or off with None.
+
+        ``torch.autocast("cuda")`` turns itself off without a GPU (DESIGN
+        fact 4); the low-level switches give the real policy on fake tensors.
+        """
+        dev = self.device.type
+        if dtype is None:
+            if self._autocast_state is not None:
+                enabled, old_dtype = self._autocast_state
+                torch.set_autocast_enabled(dev, enabled)
+                torch.set_autocast_dtype(dev, old_dtype)
+                self._autocast_state = None
+                if torch.autocast_decrement_nesting() == 0:
+                    torch.clear_autocast_cache()  # frees the cached low-precision weight copies
+            return
+        if self._autocast_state is None:
+            self._autocast_state = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+            torch.autocast_increment_nesting()
+        torch.set_autocast_enabled(dev, True)
+        torch.set_autocast_dtype(dev, dtype)
+
+    def _scalar(self, t: torch.Tensor):
+        """``.item()`` on a fake tensor: allowed only where batchfit drives it."""
+        const = getattr(t, "constant", None)
+        if const is not None:
+            return const.item()
+        if self.allow_item:
+            # GradScaler's found_inf (0: no overflow, the steady state) and
+            # optimizer step counters (>= 1 once a step has run).
+            return 0 if t.is_floating_point() and t.device.type != "cpu" else 1
+        raise DataDependentError(
+            "the model reads a tensor's value (.item(), bool(), a data-dependent shape), "
+            "which a simulation without data cannot know",
+            where="forward",
+        )
+
+    def _wrap_register_hook(self, original):
+        hooks = self.hooks
+
+        def register_hook(tensor, hook):
+            handle = original(tensor, hook)
+            hooks.add(tensor)
+            return handle
+
+        return register_hook
+
+    def _wrap_function_apply(self):
+        fn_cls = torch.autograd.function.Function
+        original = next(k.__dict__["apply"] for k in fn_cls.__mro__ if "apply" in k.__dict__)
+
+        def apply(cls, *args, **kwargs):
+            out = original.__get__(None, cls)(*args, **kwargs)
+            first = out[0] if isinstance(out, (tuple, list)) and out else out
+            node = getattr(first, "grad_fn", None)
+            if isinstance(node, torch.autograd.function.BackwardCFunction):
+                node._batchfit_is_tensor_input = [isinstance(a, torch.Tensor) for a in args]
+            return out
+
+        return classmethod(apply)

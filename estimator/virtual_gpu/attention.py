@@ -1,0 +1,73 @@
+"""The SDPA backend the target card would pick.
+
+On fake CUDA tensors ``aten::_fused_sdp_choice`` answers MATH (DESIGN fact 5),
+which materializes B·H·S² attention scores. A real card walks
+``priority_order`` in aten/src/ATen/native/transformers/cuda/sdp_utils.cpp
+(flash, efficient, math, cudnn in torch 2.14) and takes the first backend
+whose checks pass. The checks below are the ones that decide memory; the
+numbers cite that file.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+import torch
+
+
+class SDPBackend(IntEnum):
+    """Values of ``sdp::SDPBackend`` (aten/src/ATen/native/transformers/sdp_utils.h)."""
+
+    MATH = 0
+    FLASH = 1
+    EFFICIENT = 2
+    CUDNN = 3
+
+
+def _flash_ok(capability: tuple[int, int], q, k, v, attn_mask, requires_grad: bool) -> bool:
+    if not (8, 0) <= capability:  # check_sm_version: flash needs sm80+
+        return False
+    if q.dtype not in (torch.float16, torch.bfloat16):  # check_flash_attention_datatype
+        return False
+    if attn_mask is not None:  # check_for_attn_mask
+        return False
+    if q.dim() != 4:  # check_tensor_shapes
+        return False
+    d = q.shape[-1]
+    if not (d == k.shape[-1] == v.shape[-1]) or d > 256:  # check_head_dim_size_flash
+        return False
+    # check_requires_grad_and_head_dim_gt192_constraints_on_sm86_89
+    if requires_grad and d > 192 and capability in ((8, 6), (8, 9)):
+        return False
+    return True
+
+
+def _efficient_ok(capability: tuple[int, int], q, k, v) -> bool:
+    if capability < (5, 0):  # check_sm_version: mem-efficient needs sm50+
+        return False
+    allowed = (torch.float16, torch.float32) + ((torch.bfloat16,) if capability >= (8, 0) else ())
+    if q.dtype not in allowed:
+        return False
+    if q.dim() != 4:
+        return False
+    # check_head_dim_size_mem_efficient: q/k last dims equal and aligned
+    # (8 elements for 16-bit types on tensor cores, 4 for fp32).
+    align = 8 if q.dtype in (torch.float16, torch.bfloat16) else 4
+    if q.shape[-1] != k.shape[-1] or q.shape[-1] % align or v.shape[-1] % align:
+        return False
+    return True
+
+
+def choose_backend(capability: tuple[int, int], q, k, v, attn_mask=None, dropout_p: float = 0.0) -> SDPBackend:
+    """The backend ``select_sdp_backend`` would return on a card of this capability.
+
+    >>> q = torch.empty(1, 8, 128, 64, dtype=torch.bfloat16, device="meta")
+    >>> choose_backend((9, 0), q, q, q).name
+    'FLASH'
+    """
+    requires_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if _flash_ok(capability, q, k, v, attn_mask, requires_grad):
+        return SDPBackend.FLASH
+    if _efficient_ok(capability, q, k, v):
+        return SDPBackend.EFFICIENT
+    return SDPBackend.MATH
