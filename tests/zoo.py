@@ -125,7 +125,28 @@ def _mlp_batch(b, device):
     return torch.empty(b, 64, device=device), torch.zeros(b, dtype=torch.long, device=device)
 
 
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 10))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.fc = nn.Linear(8 * 16 * 16, 10)
+
+    def forward(self, x):
+        return self.fc(self.conv(x).flatten(1))  # (B, 8, 16, 16) -> (B, 2048) -> (B, 10)
+
+
 ZOO = {
+    "mlp": (MLP, lambda b, d: (torch.empty(b, 256, device=d), torch.zeros(b, dtype=torch.long, device=d)), _ce),
+    "conv": (ConvNet, _image_batch(3, 16, 10), _ce),
     "resnet18": _torchvision("resnet18", 64),
     "resnet50": _torchvision("resnet50", 64),
     "vit_b_16": _torchvision("vit_b_16", 224),

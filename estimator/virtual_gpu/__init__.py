@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from estimator.errors import DataDependentError
 from estimator.gpus import GPU
-from estimator.virtual_gpu.attention import choose_backend
+from estimator.virtual_gpu.attention import choose_backend, make_sdpa
 from estimator.virtual_gpu.device import DeviceProperties, Patches, patch_cuda_queries
 from estimator.virtual_gpu.engine import Engine, SavedTensors, TensorHooks
 
@@ -120,6 +120,8 @@ class VirtualGPU:
                 )
                 # DESIGN fact 6: FakeTensor is not a foreach type, so optimizers
                 # would take the single-tensor path a real GPU never takes.
+                p.set(torch.nn.functional, "scaled_dot_product_attention",
+                      make_sdpa(torch.nn.functional.scaled_dot_product_attention, self.capability))
                 p.set(_optim, "_foreach_supported_types", list(_optim._foreach_supported_types) + [FakeTensor])
             self._fake = _FakeMode(allow_non_fake_inputs=True)
             self._fake.__enter__()
@@ -152,7 +154,20 @@ class VirtualGPU:
     # --- helpers used by the simulator
     def materialize(self, module: torch.nn.Module) -> torch.nn.Module:
         """Move a meta-device module onto the virtual device (DESIGN fact 3)."""
-        return module.to_empty(device=self.device)
+        # to_empty swaps meta parameters for new ones per module, which unties
+        # shared weights (tied embeddings); tie them again as they were.
+        shared: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+        for mod in module.modules():
+            for name, p in mod._parameters.items():
+                if p is not None:
+                    shared.setdefault(id(p), []).append((mod, name))
+        groups = [owners for owners in shared.values() if len(owners) > 1]
+        module = module.to_empty(device=self.device)
+        for (first_mod, first_name), *rest in groups:
+            keep = first_mod._parameters[first_name]
+            for mod, name in rest:
+                mod._parameters[name] = keep
+        return module
 
     def autocast(self, dtype: torch.dtype | None) -> None:
         """Switch CUDA's (or CPU's) real autocast policy on for ``dtype``, or off with None.

@@ -71,3 +71,35 @@ def choose_backend(capability: tuple[int, int], q, k, v, attn_mask=None, dropout
     if _efficient_ok(capability, q, k, v):
         return SDPBackend.EFFICIENT
     return SDPBackend.MATH
+
+
+def make_sdpa(original, capability: tuple[int, int]):
+    """``F.scaled_dot_product_attention`` that runs the backend the card would pick.
+
+    ``aten::scaled_dot_product_attention`` asks a device stub, not an op, for
+    the backend, so the choice is made here, above the dispatcher.
+    """
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        backend = choose_backend(capability, query, key, value, attn_mask, dropout_p)
+        if enable_gqa or backend == SDPBackend.MATH or query.device.type != "cuda":
+            return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                            is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+        if backend == SDPBackend.FLASH:
+            out = torch.ops.aten._scaled_dot_product_flash_attention(
+                query, key, value, dropout_p, is_causal, False, scale=scale
+            )
+            return out[0]
+        bias = attn_mask
+        if bias is not None and bias.dtype == torch.bool:
+            # convert_boolean_attn_mask: True keeps, False gets -inf
+            bias = torch.zeros_like(bias, dtype=query.dtype).masked_fill_(bias.logical_not(), float("-inf"))
+        if bias is not None:
+            bias = bias.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+        need_lse = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+        out = torch.ops.aten._scaled_dot_product_efficient_attention(
+            query, key, value, bias, need_lse, dropout_p, is_causal, scale=scale
+        )
+        return out[0]
+
+    return sdpa

@@ -1,0 +1,53 @@
+"""Byte counts derived by hand for small models on the CPU target (raw bytes, no rounding)."""
+
+from __future__ import annotations
+
+from estimator.recipe import Recipe
+from estimator.trace import record_training
+from zoo import ZOO
+
+
+def totals(trace, iteration=None):
+    out: dict[str, int] = {}
+    for a in trace.allocations:
+        if iteration is None or a.iteration == iteration:
+            out[a.category] = out.get(a.category, 0) + a.nbytes
+    return out
+
+
+def test_mlp_bytes() -> None:
+    mf, bf, lf = ZOO["mlp"]
+    trace = record_training(mf, bf, lf, 32, Recipe(optimizer="adam"), None)
+    t = totals(trace)
+    # Linear(256, 512): 256*512*4 + 512*4 = 524,288 + 2,048; Linear(512, 10): 20,480 + 40
+    params = 524_288 + 2_048 + 20_480 + 40
+    assert t["parameter"] == params == 546_856
+    # one gradient per parameter, made once in iteration 0 and freed by zero_grad(set_to_none)
+    # then made again in iteration 1: 2 x params
+    assert t["gradient"] == 2 * params
+    # Adam: exp_avg + exp_avg_sq per parameter, plus a 4-byte fp32 CPU step counter each (4 params)
+    assert t["optimizer_state"] == 2 * params + 4 * 4
+    it1 = totals(trace, iteration=1)
+    # saved for backward: ReLU's output (32*512*4 = 65,536), log_softmax's output (32*10*4 = 1,280),
+    # nll_loss's total_weight (4) and the loss itself (4)
+    assert it1["activation"] == 65_536 + 1_280 + 4 + 4
+    # the batch: x (32*256*4 = 32,768) and int64 targets (32*8 = 256)
+    assert it1["input"] == 32_768 + 256
+
+
+def test_conv_bytes() -> None:
+    mf, bf, lf = ZOO["conv"]
+    trace = record_training(mf, bf, lf, 4, Recipe(optimizer="sgd", optimizer_kwargs={"momentum": 0.9}), None)
+    t = totals(trace)
+    # Conv2d(3, 8, 3): 8*3*3*3*4 = 864 + bias 32; Linear(2048, 10): 81,920 + 40
+    params = 864 + 32 + 81_920 + 40
+    assert t["parameter"] == params
+    assert t["gradient"] == 2 * params
+    # SGD momentum: one momentum buffer per parameter, made in the first step
+    assert t["optimizer_state"] == params
+    it1 = totals(trace, iteration=1)
+    # conv output (4*8*16*16*4 = 32,768) saved by Linear through its flattened view,
+    # log_softmax output (4*10*4 = 160), total_weight (4), loss (4)
+    assert it1["activation"] == 32_768 + 160 + 4 + 4
+    # images 4*3*16*16*4 = 12,288 and targets 4*8 = 32
+    assert it1["input"] == 12_288 + 32

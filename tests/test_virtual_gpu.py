@@ -1,0 +1,133 @@
+"""The virtual GPU: answers like the card, restores torch, and fails clearly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from estimator.errors import DataDependentError, SimulationError, UnknownGPUError
+from estimator.gpus import get_gpu
+from estimator.recipe import Recipe
+from estimator.report import estimate_memory
+from estimator.trace import record_training
+from estimator.virtual_gpu import VirtualGPU
+from zoo import ZOO
+
+
+def _torch_state():
+    import torch.optim.optimizer as optim
+
+    return (
+        torch.cuda.is_available(), torch.cuda.get_device_properties, torch.autograd.graph._engine_run_backward,
+        torch.autograd._engine_run_backward, torch.Tensor.register_hook,
+        torch.autograd.function.Function.__dict__["apply"], list(optim._foreach_supported_types),
+        torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"),
+        torch._C._autograd._top_saved_tensors_default_hooks(False), torch.nn.functional.scaled_dot_product_attention,
+    )
+
+
+def test_everything_patched_is_restored() -> None:
+    before = _torch_state()
+    mf, bf, lf = ZOO["mlp"]
+    record_training(mf, bf, lf, 4, Recipe(precision="amp-fp16"), get_gpu("H100-80GB"))
+    assert _torch_state() == before
+    assert not torch.cuda.is_available()  # this host has no GPU
+
+
+def test_device_queries_answer_for_the_card() -> None:
+    with VirtualGPU(get_gpu("A100-80GB")):
+        assert torch.cuda.is_available()
+        assert torch.cuda.get_device_capability() == (8, 0)
+        assert torch.cuda.get_device_properties(0).total_memory == 81920 * 2**20
+        x = torch.empty(1024, device="cuda")
+        assert x.is_cuda
+
+
+def test_autocast_policy_is_cudas() -> None:
+    meta = nn.Linear(8, 8, device="meta")  # built outside the fake mode (DESIGN fact 3)
+    with VirtualGPU(get_gpu("A100-80GB")) as vgpu:
+        lin = vgpu.materialize(meta)
+        vgpu.autocast(torch.bfloat16)
+        y = lin(torch.empty(2, 8, device="cuda"))
+        z = F.layer_norm(y, (8,))
+        vgpu.autocast(None)
+    assert y.dtype == torch.bfloat16  # linear -> bf16
+    assert z.dtype == torch.float32  # layer_norm -> fp32
+
+
+@pytest.mark.parametrize("gpu, dtype, mask, op", [
+    ("H100-80GB", torch.bfloat16, False, "_scaled_dot_product_flash_attention"),
+    ("A100-80GB", torch.float32, False, "_scaled_dot_product_efficient_attention"),
+    ("H100-80GB", torch.bfloat16, True, "_scaled_dot_product_efficient_attention"),
+    ("V100-16GB", torch.bfloat16, False, "bmm"),  # no bf16 kernels below sm80: math
+])
+def test_attention_backend_is_the_cards(gpu, dtype, mask, op) -> None:
+    seen = []
+    with VirtualGPU(get_gpu(gpu), observer=lambda f, a, k, o: seen.append(f._schema.name.split("::")[-1])):
+        q = torch.empty(2, 8, 128, 64, device="cuda", dtype=dtype, requires_grad=True)
+        m = torch.zeros(128, 128, device="cuda", dtype=torch.bool) if mask else None
+        F.scaled_dot_product_attention(q, q, q, attn_mask=m)
+    assert op in seen
+
+
+def test_optimizer_defaults_to_foreach_on_gpu() -> None:
+    mf, bf, lf = ZOO["mlp"]
+    gpu_ops = {a.op for a in record_training(mf, bf, lf, 4, Recipe(), get_gpu("A100-80GB")).allocations}
+    cpu_ops = {a.op for a in record_training(mf, bf, lf, 4, Recipe(), None).allocations}
+    assert "_foreach_sqrt" in gpu_ops  # real GPUs default to foreach (DESIGN fact 6)
+    assert "_foreach_sqrt" not in cpu_ops  # CPUs take the single-tensor path
+
+
+def test_unknown_gpu_suggests_close_names() -> None:
+    mf, bf, lf = ZOO["mlp"]
+    with pytest.raises(UnknownGPUError) as err:
+        estimate_memory(mf, bf, lf, 4, gpu="A100-80G")
+    assert err.value.field == "gpus" and "A100-80GB" in err.value.suggestions
+
+
+class ItemModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        if y.sum().item() > 0:  # data-dependent control flow
+            return y
+        return -y
+
+
+class BrokenModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x.view(3, 7))
+
+
+def _batch(b, d):
+    return torch.empty(b, 4, device=d), torch.zeros(b, dtype=torch.long, device=d)
+
+
+def test_data_dependent_model_is_a_typed_error() -> None:
+    with pytest.raises(DataDependentError) as err:
+        estimate_memory(ItemModel, _batch, F.cross_entropy, 2, gpu="A100-80GB")
+    assert "forward" in err.value.where
+
+
+def test_failing_forward_names_phase_and_module() -> None:
+    with pytest.raises(SimulationError) as err:
+        estimate_memory(BrokenModel, _batch, F.cross_entropy, 2, gpu="A100-80GB")
+    assert err.value.where.startswith("forward")
+
+
+def test_report_fields_and_capacity() -> None:
+    mf, bf, lf = ZOO["mlp"]
+    r = estimate_memory(mf, bf, lf, 64, gpu="T4-16GB")
+    assert r.allocated_peak_bytes <= r.reserved_peak_bytes < r.device_peak_bytes
+    assert r.device_peak_bytes - r.reserved_peak_bytes == r.context_bytes
+    assert r.fits and r.breakdown.parameters > 0 and r.peak_phase
+    assert r.breakdown.total() == r.allocated_peak_bytes
