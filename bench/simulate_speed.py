@@ -1,0 +1,72 @@
+"""Wall time of one full simulation (2 iterations) and the simulator's peak RSS.
+
+Cases: resnet50 b64 224px fp32 AdamW on A100-80GB; bert-large b4 s512 fp32;
+a 32-layer 7B LLaMA-style config b1 s4096 bf16 on H100-80GB.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from estimator.recipe import Recipe  # noqa: E402
+from estimator.report import estimate_memory  # noqa: E402
+
+
+def resnet50():
+    import torchvision
+
+    return torchvision.models.resnet50()
+
+
+def images(b, d):
+    return torch.empty(b, 3, 224, 224, device=d), torch.zeros(b, dtype=torch.long, device=d)
+
+
+def llama7b():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096)
+    cfg._attn_implementation = "sdpa"
+    return LlamaForCausalLM(cfg)
+
+
+def tokens(seq):
+    def make(b, d):
+        ids = torch.zeros(b, seq, dtype=torch.long, device=d)
+        return {"input_ids": ids}, ids
+    return make
+
+
+def lm_loss(out, labels):
+    return F.cross_entropy(out.logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())
+
+
+def main() -> None:
+    from test_published import batch, bert_large, loss_fn
+
+    cases = [
+        ("resnet50 b64", resnet50, images, F.cross_entropy, 64, Recipe(), "A100-80GB", 2.0),
+        ("bert-large b4 s512", bert_large, batch, loss_fn, 4, Recipe(), "A100-80GB", 5.0),
+        ("llama-7b b1 s4096 bf16", llama7b, tokens(4096), lm_loss, 1, Recipe(precision="bf16"), "H100-80GB", 20.0),
+    ]
+    for name, mf, bf, lf, bs, recipe, gpu, aim in cases:
+        t0 = time.perf_counter()
+        r = estimate_memory(mf, bf, lf, bs, recipe=recipe, gpu=gpu)
+        dt = time.perf_counter() - t0
+        print(f"{name:<24} {dt:6.2f} s (aim {aim:.0f} s, ratio {dt / aim:.2f})  "
+              f"device peak {r.device_peak_bytes / 2**30:.2f} GiB on {gpu}, events {len(r.trace.events)}")
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(f"peak RSS {rss / 2**30:.2f} GiB (aim 2 GiB)")
+
+
+if __name__ == "__main__":
+    main()
