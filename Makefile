@@ -7,7 +7,6 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
