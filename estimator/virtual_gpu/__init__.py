@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from estimator.errors import DataDependentError
 from estimator.gpus import GPU
-from estimator.virtual_gpu.attention import choose_backend, make_sdpa
+from estimator.virtual_gpu.attention import make_sdpa
 from estimator.virtual_gpu.device import DeviceProperties, Patches, patch_cuda_queries
 from estimator.virtual_gpu.engine import Engine, SavedTensors, TensorHooks
 
@@ -41,7 +41,7 @@ class _FakeMode(FakeTensorMode):
 
 
 class _DispatchMode(TorchDispatchMode):
-    """Sits above FakeTensorMode: backend choice, ``.item()`` policy, observer."""
+    """Sits above FakeTensorMode: ``.item()`` policy, observer."""
 
     def __init__(self, vgpu: "VirtualGPU") -> None:
         super().__init__()
@@ -50,11 +50,6 @@ class _DispatchMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         vgpu = self.vgpu
-        if func is torch.ops.aten._fused_sdp_choice.default and vgpu.is_cuda:
-            q, k, v = args[:3]
-            mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
-            dropout = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
-            return int(choose_backend(vgpu.capability, q, k, v, mask, dropout))
         if func is torch.ops.aten._local_scalar_dense.default:
             return vgpu._scalar(args[0])
         out = func(*args, **kwargs)
@@ -118,10 +113,11 @@ class VirtualGPU:
                     lambda: self.max_memory_allocated(),
                     lambda: self.reset_peak(),
                 )
-                # DESIGN fact 6: FakeTensor is not a foreach type, so optimizers
-                # would take the single-tensor path a real GPU never takes.
+                # DESIGN fact 5: the attention backend the card would pick.
                 p.set(torch.nn.functional, "scaled_dot_product_attention",
                       make_sdpa(torch.nn.functional.scaled_dot_product_attention, self.capability))
+                # DESIGN fact 6: FakeTensor is not a foreach type, so optimizers
+                # would take the single-tensor path a real GPU never takes.
                 p.set(_optim, "_foreach_supported_types", list(_optim._foreach_supported_types) + [FakeTensor])
             self._fake = _FakeMode(allow_non_fake_inputs=True)
             self._fake.__enter__()
