@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 import torch.optim.optimizer as _optim
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+import torch.utils.checkpoint
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, _BypassDispatchCache
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from estimator.errors import DataDependentError
@@ -38,6 +39,16 @@ class _FakeMode(FakeTensorMode):
     @property
     def avoid_device_init(self) -> bool:
         return True
+
+    def _make_cache_entry(self, state, key, func, args, kwargs, output):
+        # A cache hit rebuilds each output with its own storage, so outputs
+        # that share one (mkldnn_rnn_layer_backward's two bias grads) would
+        # cost an extra allocation from the second call on. Bypass those.
+        if isinstance(output, (tuple, list)):
+            storages = [t.untyped_storage()._cdata for t in output if isinstance(t, torch.Tensor)]
+            if len(storages) != len(set(storages)):
+                raise _BypassDispatchCache("outputs share a storage")
+        return super()._make_cache_entry(state, key, func, args, kwargs, output)
 
 
 class _DispatchMode(TorchDispatchMode):
@@ -97,6 +108,8 @@ class VirtualGPU:
         p = self._patches
         try:
             if not self.cpp_engine:
+                frame_cls = torch.utils.checkpoint._CheckpointFrame
+                p.set(frame_cls, "save_inputs", self.saved.wrap_save_inputs(frame_cls.save_inputs))
                 engine_run = self.engine.run_backward
                 p.set(torch.autograd.graph, "_engine_run_backward", engine_run)
                 p.set(torch.autograd, "_engine_run_backward", engine_run)

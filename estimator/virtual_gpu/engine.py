@@ -26,7 +26,9 @@ gradients are created, accumulated and freed *is* the memory profile:
 
 Saved tensors are owned through ``saved_tensors_hooks`` (``SavedTensors``), so
 the engine can release them right after the node that saved them ran, as
-``Node::release_variables`` does.
+``Node::release_variables`` does. Non-reentrant checkpoint's frame saves its
+block's inputs outside any node; those die with the frame, once every node
+holding one of its holders has run.
 
 Known limitations: hooks registered on nodes (``grad_fn.register_hook``,
 ``register_prehook``, module full backward hooks) and engine callbacks
@@ -93,9 +95,9 @@ class _Packed:
 
     __slots__ = ("tensor", "seq", "__weakref__")
 
-    def __init__(self, tensor: torch.Tensor, seq: int) -> None:
+    def __init__(self, tensor: torch.Tensor, seq: int | None) -> None:
         self.tensor = tensor
-        self.seq = seq
+        self.seq = seq  # None: owned by a checkpoint frame, not by a node
 
 
 class SavedTensors:
@@ -111,11 +113,17 @@ class SavedTensors:
         self.by_seq: dict[int, list[weakref.ref]] = {}
         self.running: list[list[_Packed]] = []
         self.on_pack: Callable[[torch.Tensor], None] | None = None
+        self._frame: Any = None
+        self._frames: list[tuple[weakref.ref, list[weakref.ref]]] = []
 
     def pack(self, tensor: torch.Tensor) -> _Packed:
-        seq = torch._C._autograd._get_sequence_nr() - 1
-        packed = _Packed(tensor, seq)
-        self.by_seq.setdefault(seq, []).append(weakref.ref(packed))
+        if self._frame is not None:
+            packed = _Packed(tensor, None)
+            self._frames[-1][1].append(weakref.ref(packed))
+        else:
+            seq = torch._C._autograd._get_sequence_nr() - 1
+            packed = _Packed(tensor, seq)
+            self.by_seq.setdefault(seq, []).append(weakref.ref(packed))
         if self.on_pack is not None:
             self.on_pack(tensor)
         return packed
@@ -134,6 +142,38 @@ class SavedTensors:
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
+    def wrap_save_inputs(self, save_inputs: Callable) -> Callable:
+        """Non-reentrant checkpoint's frame saves its block's inputs itself.
+
+        In C++ they die with the frame, when the engine has released the
+        SavedVariables of every node holding one of the frame's holders;
+        a holder whose every handle is None has been unpacked by its node.
+        """
+        def wrapped(frame, *args):
+            self._frame = frame
+            self._frames.append((weakref.ref(frame), []))
+            try:
+                return save_inputs(frame, *args)
+            finally:
+                self._frame = None
+        return wrapped
+
+    def _release_dead_frames(self) -> None:
+        alive = []
+        for frame_ref, packs in self._frames:
+            frame = frame_ref()
+            if frame is None or not any(p() is not None and p().tensor is not None for p in packs):
+                continue
+            if frame.is_recomputed and all(
+                h() is None or all(v is None for v in h().handles.values()) for h in frame.weak_holders
+            ):
+                for p in packs:
+                    if p() is not None:
+                        p().tensor = None
+                continue
+            alive.append((frame_ref, packs))
+        self._frames = alive
+
     def release(self, seq: int, unpacked: list[_Packed], graph_seqs: set[int]) -> None:
         """``Node::release_variables`` for the node with this sequence number.
 
@@ -142,12 +182,14 @@ class SavedTensors:
         unpacked while recomputing, belong to their own node).
         """
         for packed in unpacked:
-            if packed.seq == seq or packed.seq not in graph_seqs:
+            if packed.seq is not None and (packed.seq == seq or packed.seq not in graph_seqs):
                 packed.tensor = None
         for ref in self.by_seq.pop(seq, ()):
             packed = ref()
             if packed is not None:
                 packed.tensor = None
+        if self._frames:
+            self._release_dead_frames()
 
 
 # --- tensor hooks ----------------------------------------------------------
