@@ -40,6 +40,11 @@ class _FakeMode(FakeTensorMode):
     def avoid_device_init(self) -> bool:
         return True
 
+    def _cached_dispatch_impl(self, func, types, args, kwargs):
+        if func.__name__.startswith("_foreach_"):
+            return self._dispatch_impl(func, types, args, kwargs)
+        return super()._cached_dispatch_impl(func, types, args, kwargs)
+
     def _make_cache_entry(self, state, key, func, args, kwargs, output):
         # A cache hit rebuilds each output with its own storage, so outputs
         # that share one (mkldnn_rnn_layer_backward's two bias grads) would
