@@ -75,7 +75,7 @@ class MemoryReport:
 def report_from_trace(
     trace: Trace, batch_size: int, gpu: GPU | None, allocator: AllocatorConfig | None = None
 ) -> MemoryReport:
-    """Replay ``trace`` for ``gpu`` (unlimited for the peaks, capped for ``fits``)."""
+    """Replay ``trace`` for ``gpu``: peaks as on the card when the step fits, else what it would need (no cap)."""
     allocator = allocator or AllocatorConfig()
     events = trace.allocator_events()
     if gpu is None:
@@ -103,6 +103,10 @@ def report_from_trace(
     capped = replay(events, AllocatorConfig(
         capacity, allocator.max_split_size, allocator.expandable_segments, allocator.garbage_collection_threshold
     ))
+    # On the card, a step that fits runs under memory pressure: the allocator
+    # frees cached blocks and retries instead of growing, so the card's
+    # replay is what torch.cuda.max_memory_reserved() would report.
+    shown = capped if capped.fits else unlimited
     at = trace.allocations[trace.events[unlimited.peak_event][1]] if trace.events else None
     assumptions = list(trace.assumptions) + [
         f"CUDA context on {gpu.name}: {gpu.context_bytes // 2**20} MiB (catalog default; driver dependent)",
@@ -110,7 +114,7 @@ def report_from_trace(
     ]
     return MemoryReport(
         gpu.name, batch_size,
-        unlimited.allocated_peak, unlimited.reserved_peak, unlimited.reserved_peak + gpu.context_bytes,
+        shown.allocated_peak, shown.reserved_peak, shown.reserved_peak + gpu.context_bytes,
         gpu.context_bytes, capacity, capped.fits, Breakdown.from_categories(unlimited.breakdown_at_peak),
         at.phase if at else "", at.module if at else "", at.iteration if at else 0,
         list(trace.unsupported), assumptions, trace,

@@ -1,0 +1,92 @@
+"""Model builders: a request's ``model`` and ``input`` -> what the simulator runs.
+
+>>> from estimator.spec import parse_request                                  # doctest: +SKIP
+>>> built = build(parse_request({"model": {"source": "timm", "name": "resnet18"}}))
+>>> built.input, built.parameter_count
+({'image_size': [3, 224, 224]}, 11689512)
+
+Builders never download weights or configs and never run a model's own
+code from a request: torchvision and timm construct from their registries
+with ``weights=None`` / ``pretrained=False``; transformers models come from
+configs shipped in ``presets/`` or given inline, through the library's own
+classes (``auto_map`` is refused). A local ``package.module:factory`` is
+imported only when the caller allows local code (library, CLI).
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from estimator.errors import SpecError
+from estimator.spec import EstimateRequest
+
+
+@dataclass
+class BuiltModel:
+    """What the simulator needs: call ``factory()`` under ``torch.device("meta")``."""
+
+    name: str
+    factory: Callable[[], torch.nn.Module]
+    batch_factory: Callable[[int, Any], tuple[Any, Any]]
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+    input: dict[str, Any]
+    parameter_count: int
+    assumptions: list[str] = field(default_factory=list)
+
+
+def build(request: EstimateRequest) -> BuiltModel:
+    """Build the request's model on the meta device (checks names, kwargs, input limits)."""
+    source = request.model.source
+    if source == "torchvision":
+        from estimator.models.torchvision_models import build_torchvision
+
+        return build_torchvision(request.model, request.input)
+    if source == "timm":
+        from estimator.models.timm_models import build_timm
+
+        return build_timm(request.model, request.input)
+    if source == "transformers":
+        from estimator.models.transformers_models import build_transformers
+
+        return build_transformers(request.model, request.input)
+    from estimator.models.custom import build_custom
+
+    return build_custom(request.model, request.input)
+
+
+def unknown_name(field_name: str, name: str, known: list[str], what: str) -> SpecError:
+    """A ``SpecError`` for a name not in ``known``, with close matches."""
+    close = difflib.get_close_matches(name.lower(), [k.lower() for k in known], n=3, cutoff=0.6)
+    by_lower = {k.lower(): k for k in known}
+    hint = f" (did you mean {', '.join(by_lower[c] for c in close)}?)" if close else ""
+    return SpecError(field_name, name, f"{what}{hint}")
+
+
+def probe(factory: Callable[[], torch.nn.Module], field_name: str, value: Any) -> torch.nn.Module:
+    """Build once on meta so bad kwargs fail here, as a ``SpecError``."""
+    try:
+        with torch.device("meta"):
+            model = factory()
+    except (TypeError, ValueError, KeyError, AssertionError, AttributeError, NotImplementedError) as exc:
+        raise SpecError(field_name, value, f"arguments the constructor accepts ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(model, torch.nn.Module):
+        raise SpecError(field_name, value, "a factory returning a torch.nn.Module")
+    return model
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """Unique parameters (tied weights once), as ``sum(p.numel())`` over ``model.parameters()``."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def refuse_downloads(kwargs: dict[str, Any], field_name: str, keys: dict[str, Any]) -> None:
+    """Keys that would fetch weights (``weights``, ``pretrained``...) must keep their no-download value."""
+    for key, allowed in keys.items():
+        if key in kwargs and kwargs[key] != allowed:
+            raise SpecError(f"{field_name}.{key}", kwargs[key],
+                            f"{allowed!r}: batchfit never downloads weights (memory does not depend on them)")

@@ -1,0 +1,104 @@
+"""Synthetic batches and the usual loss for each task.
+
+A batch factory is ``make(batch_size, device) -> (inputs, targets)``; inputs
+are a tensor, a tuple (positional) or a dict (keyword arguments). Values are
+zeros: memory does not depend on them, and token id 0 / class 0 exist in
+every vocabulary and label set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+# torchvision's Inception v3 / GoogLeNet recipe weighs the auxiliary heads'
+# losses (Szegedy et al. 2015/2016): 0.4 for aux logits; segmentation's
+# auxiliary classifier is weighted 0.5 (torchvision references/segmentation).
+AUX_CLASSIFIER_WEIGHT = 0.4
+AUX_SEGMENTATION_WEIGHT = 0.5
+
+
+def images(channels: int, height: int, width: int) -> Callable:
+    def make(b: int, device: Any):
+        x = torch.empty(b, channels, height, width, device=device)  # (B, C, H, W)
+        return x, torch.zeros(b, dtype=torch.long, device=device)
+    return make
+
+
+def clips(channels: int, frames: int, height: int, width: int) -> Callable:
+    def make(b: int, device: Any):
+        x = torch.empty(b, channels, frames, height, width, device=device)  # (B, C, T, H, W)
+        return x, torch.zeros(b, dtype=torch.long, device=device)
+    return make
+
+
+def segmentation_images(channels: int, height: int, width: int) -> Callable:
+    def make(b: int, device: Any):
+        x = torch.empty(b, channels, height, width, device=device)
+        return x, torch.zeros(b, height, width, dtype=torch.long, device=device)  # (B, H, W) class per pixel
+    return make
+
+
+def classification_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy on the logits; auxiliary heads (Inception, GoogLeNet) weighted in."""
+    if isinstance(out, torch.Tensor):
+        return F.cross_entropy(out, target)
+    if hasattr(out, "logits") and isinstance(out.logits, torch.Tensor):
+        loss = F.cross_entropy(out.logits, target)
+        for name in ("aux_logits", "aux_logits1", "aux_logits2"):
+            aux = getattr(out, name, None)
+            if isinstance(aux, torch.Tensor):
+                loss = loss + AUX_CLASSIFIER_WEIGHT * F.cross_entropy(aux, target)
+        return loss
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return F.cross_entropy(out[0], target)
+    raise TypeError(f"cannot find logits in a {type(out).__name__} model output")
+
+
+def segmentation_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
+    loss = F.cross_entropy(out["out"], target)
+    if out.get("aux") is not None:
+        loss = loss + AUX_SEGMENTATION_WEIGHT * F.cross_entropy(out["aux"], target)
+    return loss
+
+
+def model_loss(out: Any, target: Any) -> torch.Tensor:
+    """The loss a model computes itself (transformers with ``labels``, detection)."""
+    if isinstance(out, dict) and not hasattr(out, "loss"):
+        return sum(out.values())  # torchvision detection: a dict of losses
+    return out.loss
+
+
+def _ids(b: int, s: int, device: Any) -> torch.Tensor:
+    return torch.zeros(b, s, dtype=torch.long, device=device)  # (B, S)
+
+
+def text(task: str, seq_len: int, target_seq_len: int | None = None, *, attention_mask: bool = True) -> Callable:
+    """Batches for transformers' tasks; ``labels`` go in so the model computes its own loss."""
+    def make(b: int, device: Any):
+        ids = _ids(b, seq_len, device)
+        inputs: dict[str, torch.Tensor] = {"input_ids": ids}
+        if attention_mask:
+            inputs["attention_mask"] = torch.ones_like(ids)
+        if task == "causal-lm":
+            inputs["labels"] = ids  # the model shifts them (ForCausalLMLoss)
+        elif task == "masked-lm":
+            inputs["labels"] = _ids(b, seq_len, device)
+        elif task == "sequence-classification":
+            inputs["labels"] = torch.zeros(b, dtype=torch.long, device=device)
+        elif task == "seq2seq-lm":
+            inputs["labels"] = _ids(b, target_seq_len or seq_len, device)
+        else:
+            raise ValueError(task)
+        return inputs, None
+    return make
+
+
+def pixels(channels: int, height: int, width: int) -> Callable:
+    def make(b: int, device: Any):
+        x = torch.empty(b, channels, height, width, device=device)
+        return {"pixel_values": x, "labels": torch.zeros(b, dtype=torch.long, device=device)}, None
+    return make

@@ -1,0 +1,47 @@
+"""timm: any name in ``timm.list_models()`` (a ``.tag`` suffix allowed), kwargs passed through.
+
+Default input: the model's ``pretrained_cfg["input_size"]``; models with a
+fixed patch grid (ViT, DeiT, Swin, Mixer) must be built for the requested
+size (``img_size`` in kwargs), which the request is checked against.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from estimator.errors import SpecError
+from estimator.models import BuiltModel, count_parameters, probe, refuse_downloads, unknown_name
+from estimator.models import tasks
+from estimator.spec import InputSpec, TimmModel
+
+# Keys that would read or fetch files.
+_NO_FILES = {"pretrained": False, "checkpoint_path": "", "pretrained_cfg_overlay": None, "cache_dir": None}
+
+
+def build_timm(spec: TimmModel, inp: InputSpec) -> BuiltModel:
+    import timm
+
+    base = spec.name.split(".", 1)[0]
+    if not timm.is_model(base):
+        raise unknown_name("model.name", spec.name, timm.list_models(), "a name in timm.list_models()")
+    kwargs = dict(spec.kwargs)
+    refuse_downloads(kwargs, "model.kwargs", _NO_FILES)
+    factory = functools.partial(timm.create_model, spec.name, pretrained=False, **kwargs)
+    model = probe(factory, "model.kwargs", spec.kwargs)
+    default = tuple(getattr(model, "pretrained_cfg", {}).get("input_size") or (3, 224, 224))
+    assumptions: list[str] = []
+    if inp.image_size is None:
+        c, h, w = default
+        assumptions.append(f"input.image_size not given: {list(default)}, {spec.name}'s pretrained_cfg input_size")
+    else:
+        c, h, w = inp.image_size
+        grid = getattr(getattr(model, "patch_embed", None), "img_size", None)
+        dynamic = getattr(getattr(model, "patch_embed", None), "dynamic_img_size", False) or kwargs.get("dynamic_img_size")
+        if grid is not None and not dynamic and tuple(grid) != (h, w):
+            raise SpecError("input.image_size", inp.image_size,
+                            f"[C, {grid[0]}, {grid[1]}]: {spec.name} is built for that size "
+                            "(model.kwargs img_size or dynamic_img_size change it)")
+    if c != getattr(model, "pretrained_cfg", {}).get("input_size", (c,))[0] and "in_chans" not in kwargs:
+        raise SpecError("input.image_size", inp.image_size, f"{default[0]} channels (model.kwargs in_chans changes it)")
+    return BuiltModel(f"timm:{spec.name}", factory, tasks.images(c, h, w), tasks.classification_loss,
+                      {"image_size": [c, h, w]}, count_parameters(model), assumptions)

@@ -1,0 +1,86 @@
+"""torchvision: classification, segmentation and video models, by their registry name.
+
+Default input: a ViT's own ``image_size``; else the crop size of the first
+weights torchvision publishes for the model (its training resolution:
+299 for Inception v3, 600 for EfficientNet-B7, 520 for segmentation, 16
+frames of 112 px for the R(2+1)D family); else 3x224x224.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torchvision.models as tvm
+
+from estimator.errors import SpecError
+from estimator.models import BuiltModel, count_parameters, probe, refuse_downloads, unknown_name
+from estimator.models import tasks
+from estimator.spec import InputSpec, TorchvisionModel
+
+DEFAULT_FRAMES = 16  # torchvision's video references train on 16-frame clips
+
+
+def families() -> dict[str, list[str]]:
+    return {
+        "classification": tvm.list_models(module=tvm),
+        "segmentation": tvm.list_models(module=tvm.segmentation),
+        "video": tvm.list_models(module=tvm.video),
+    }
+
+
+def _default_weights_meta(name: str) -> tuple[int | None, int | None]:
+    """(crop side, frames) from the first published weights, read from torchvision's tables."""
+    try:
+        weights = list(tvm.get_model_weights(name))
+    except (ValueError, KeyError):
+        return None, None
+    if not weights:
+        return None, None
+    kw = getattr(weights[0].transforms, "keywords", {}) or {}
+    size = kw.get("crop_size", kw.get("resize_size"))
+    if isinstance(size, (tuple, list)):
+        size = size[0]
+    return (int(size) if size else None), weights[0].meta.get("min_temporal_size")
+
+
+def build_torchvision(spec: TorchvisionModel, inp: InputSpec) -> BuiltModel:
+    fam = families()
+    family = next((f for f, names in fam.items() if spec.name in names), None)
+    if family is None:
+        detection = tvm.list_models(module=tvm.detection)
+        if spec.name in detection:
+            raise SpecError("model.name", spec.name, "a classification, segmentation or video model "
+                            "(detection models are not supported yet: their proposals are data-dependent)")
+        known = [n for names in fam.values() for n in names]
+        raise unknown_name("model.name", spec.name, known, "a torchvision model name")
+    kwargs = dict(spec.kwargs)
+    refuse_downloads(kwargs, "model.kwargs", {"weights": None, "weights_backbone": None})
+    kwargs["weights"] = None
+    if family == "segmentation":
+        kwargs["weights_backbone"] = None
+    factory = functools.partial(tvm.get_model, spec.name, **kwargs)
+    model = probe(factory, "model.kwargs", spec.kwargs)
+    crop, frames = _default_weights_meta(spec.name)
+    assumptions: list[str] = []
+    fixed = getattr(model, "image_size", None)  # torchvision ViT: positional embedding for one size
+    if inp.image_size is not None:
+        c, h, w = inp.image_size
+        if isinstance(fixed, int) and (h, w) != (fixed, fixed):
+            raise SpecError("input.image_size", inp.image_size,
+                            f"[C, {fixed}, {fixed}]: {spec.name} is built for {fixed} px (kwargs image_size changes it)")
+    else:
+        side = fixed if isinstance(fixed, int) else crop or 224
+        c, h, w = 3, side, side
+        assumptions.append(f"input.image_size not given: [3, {side}, {side}], {spec.name}'s training resolution")
+    resolved: dict = {"image_size": [c, h, w]}
+    if family == "video":
+        t = inp.num_frames or max(DEFAULT_FRAMES, frames or 0)
+        if inp.num_frames is None:
+            assumptions.append(f"input.num_frames not given: {t}")
+        resolved["num_frames"] = t
+        batch, loss = tasks.clips(c, t, h, w), tasks.classification_loss
+    elif family == "segmentation":
+        batch, loss = tasks.segmentation_images(c, h, w), tasks.segmentation_loss
+    else:
+        batch, loss = tasks.images(c, h, w), tasks.classification_loss
+    return BuiltModel(f"torchvision:{spec.name}", factory, batch, loss, resolved, count_parameters(model), assumptions)

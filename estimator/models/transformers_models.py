@@ -1,0 +1,143 @@
+"""transformers: presets shipped as config JSON, inline configs, five training tasks.
+
+Only transformers' own classes are used (``AutoModelFor*.from_config``); a
+config carrying ``auto_map`` or ``trust_remote_code`` is refused, nothing
+is fetched from the Hub. Each preset file names its source in ``_source``.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from importlib import resources
+from typing import Any
+
+import torch
+
+from estimator.errors import SpecError
+from estimator.models import BuiltModel, count_parameters, probe, unknown_name
+from estimator.models import tasks
+from estimator.spec import InputSpec, TransformersModel
+
+_AUTO = {
+    "causal-lm": "AutoModelForCausalLM",
+    "masked-lm": "AutoModelForMaskedLM",
+    "sequence-classification": "AutoModelForSequenceClassification",
+    "seq2seq-lm": "AutoModelForSeq2SeqLM",
+    "image-classification": "AutoModelForImageClassification",
+}
+# The task a config's ``architectures`` entry trains.
+_ARCH_TASK = (
+    ("ForCausalLM", "causal-lm"), ("LMHeadModel", "causal-lm"), ("ForMaskedLM", "masked-lm"),
+    ("ForConditionalGeneration", "seq2seq-lm"), ("ForSequenceClassification", "sequence-classification"),
+    ("ForImageClassification", "image-classification"),
+)
+_REMOTE_KEYS = ("auto_map", "trust_remote_code")
+
+
+@lru_cache(maxsize=1)
+def presets() -> dict[str, dict[str, Any]]:
+    """Preset name -> config dict (``_source`` kept, for provenance)."""
+    out = {}
+    for entry in resources.files("estimator.models").joinpath("presets").iterdir():
+        if entry.name.endswith(".json"):
+            out[entry.name[: -len(".json")]] = json.loads(entry.read_text())
+    return out
+
+
+def _refuse_remote_code(cfg: Any, path: str) -> None:
+    if isinstance(cfg, dict):
+        for key, value in cfg.items():
+            if key in _REMOTE_KEYS:
+                raise SpecError(f"{path}.{key}", value,
+                                "no remote code: batchfit builds only transformers' own architectures")
+            _refuse_remote_code(value, f"{path}.{key}")
+
+
+def _config_dict(spec: TransformersModel) -> dict[str, Any]:
+    merged: dict[str, Any] = {}
+    if spec.preset is not None:
+        table = presets()
+        if spec.preset not in table:
+            raise unknown_name("model.preset", spec.preset, sorted(table), "a batchfit preset (GET /models)")
+        merged.update(table[spec.preset])
+    if spec.config is not None:
+        _refuse_remote_code(spec.config, "model.config")
+        merged.update(spec.config)
+    merged.pop("_source", None)
+    return merged
+
+
+def _max_positions(config: Any) -> int | None:
+    if hasattr(config, "relative_attention_num_buckets"):
+        return None  # T5: relative position buckets, no table to run past
+    for key in ("max_position_embeddings", "n_positions"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def build_transformers(spec: TransformersModel, inp: InputSpec) -> BuiltModel:
+    import transformers
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    raw = _config_dict(spec)
+    model_type = raw.pop("model_type", None)
+    if not isinstance(model_type, str):
+        raise SpecError("model.config.model_type", model_type, "a transformers model type, e.g. 'llama'")
+    if model_type not in CONFIG_MAPPING:
+        raise unknown_name("model.config.model_type", model_type, list(CONFIG_MAPPING.keys()),
+                           "a model type built into transformers")
+    try:
+        config = AutoConfig.for_model(model_type, **raw)
+    except (TypeError, ValueError, KeyError) as exc:
+        raise SpecError("model.config", spec.config, f"a valid {model_type} config ({exc})") from exc
+    task = spec.task or next((t for suffix, t in _ARCH_TASK for a in raw.get("architectures") or [] if a.endswith(suffix)),
+                             None)
+    if task is None:
+        raise SpecError("model.task", None, f"one of {', '.join(_AUTO)} (the config names no architecture)")
+    auto = getattr(transformers, _AUTO[task])
+    if type(config) not in auto._model_mapping:
+        supported = [t for t, name in _AUTO.items() if type(config) in getattr(transformers, name)._model_mapping]
+        raise SpecError("model.task", task, f"a task {model_type} supports: {', '.join(supported) or 'none'}")
+    assumptions: list[str] = []
+    if task == "sequence-classification" and getattr(config, "pad_token_id", None) is None:
+        # Decoder-only classifiers find the last token through the pad id.
+        config.pad_token_id = config.eos_token_id if isinstance(config.eos_token_id, int) else 0
+        assumptions.append(f"pad_token_id unset: using {config.pad_token_id} (the eos token)")
+
+    def factory():
+        # A config's torch_dtype is how the checkpoint is stored; training keeps
+        # fp32 master weights (the recipe's precision decides the rest).
+        return auto.from_config(config, attn_implementation=spec.attn_implementation, dtype=torch.float32)
+
+    name = spec.preset or model_type
+    model = probe(factory, "model.config", spec.config if spec.config is not None else spec.preset)
+    if task == "image-classification":
+        c, side = int(getattr(config, "num_channels", 3)), int(getattr(config, "image_size", 224))
+        if inp.image_size is not None and inp.image_size != [c, side, side]:
+            raise SpecError("input.image_size", inp.image_size,
+                            f"[{c}, {side}, {side}] (the config's num_channels and image_size; change them in model.config)")
+        if inp.image_size is None:
+            assumptions.append(f"input.image_size not given: [{c}, {side}, {side}] from the config")
+        return BuiltModel(f"transformers:{name}", factory, tasks.pixels(c, side, side), tasks.model_loss,
+                          {"image_size": [c, side, side]}, count_parameters(model), assumptions)
+    limit = _max_positions(config)
+    seq = inp.seq_len
+    if seq is None:
+        seq = limit or 512
+        assumptions.append(f"input.seq_len not given: {seq}, the model's maximum positions" if limit
+                           else "input.seq_len not given: 512")
+    elif limit is not None and seq > limit:
+        raise SpecError("input.seq_len", seq, f"at most {limit}, {name}'s maximum positions")
+    resolved: dict[str, Any] = {"seq_len": seq}
+    target = None
+    if task == "seq2seq-lm":
+        target = inp.target_seq_len or seq
+        if inp.target_seq_len is None:
+            assumptions.append(f"input.target_seq_len not given: {target} (= seq_len)")
+        resolved["target_seq_len"] = target
+    return BuiltModel(f"transformers:{name}", factory, tasks.text(task, seq, target), tasks.model_loss,
+                      resolved, count_parameters(model), assumptions)

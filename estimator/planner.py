@@ -1,0 +1,87 @@
+"""The largest batch that fits, and the batch to recommend.
+
+This is the plain search: every probe is a full simulation (traces are
+shared between cards whose simulation is identical). Secant steps on the
+allocated peak find the neighbourhood of the answer, bisection pins it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+MAX_BATCH = 2**20
+# Tensor cores run batches in multiples of 8 best (NVIDIA's "Deep Learning
+# Performance" guide: dimensions divisible by 8 for fp16/bf16 GEMMs).
+ALIGNMENT = 8
+ALIGNMENT_MAX_COST = 0.10
+
+
+def max_batch(probe: Callable[[int], tuple[bool, int]], capacity: int, limit: int = MAX_BATCH) -> int | None:
+    """Largest ``b`` in [1, limit] whose ``probe(b) -> (fits, allocated_peak)`` fits; None if not even 1.
+
+    Assumes fits is monotone in ``b``. Secant steps on the allocated peak
+    (memory is close to affine in the batch) find the neighbourhood, then
+    galloping and bisection pin the answer.
+
+    >>> max_batch(lambda b: (b <= 37, 100 + 10 * b), capacity=480)
+    37
+    """
+    ok, p1 = probe(1)
+    if not ok:
+        return None
+    lo, hi = 1, None  # invariant: fits(lo), not fits(hi)
+    _, p2 = probe(2) if limit >= 2 else (False, p1)
+    guess = affine_guess(p1, p2, capacity)
+    for _ in range(3):
+        top = hi - 1 if hi is not None else limit
+        if guess is None or top <= lo:
+            break
+        b = min(max(guess, lo + 1), top)
+        ok, peak = probe(b)
+        if ok:
+            lo = b
+        else:
+            hi = b
+        guess = 1 + (capacity - p1) * (b - 1) // (peak - p1) if peak > p1 else None
+    step = 0.01
+    while hi is not None and hi - lo > 2 and lo < int(hi * (1 - step)):  # gallop down: -1%, -2%, -4%...
+        b = int(hi * (1 - step))
+        step *= 2
+        if probe(b)[0]:
+            lo = b
+            break
+        hi = b
+    step = 1.0
+    while hi is None:  # gallop up: +100%, +200%, ...
+        if lo >= limit:
+            return limit
+        b = min(limit, max(lo + 1, int(lo * (1 + step))))
+        step *= 2
+        ok, _ = probe(b)
+        if ok:
+            lo = b
+        else:
+            hi = b
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if probe(mid)[0]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def affine_guess(peak_at_1: int, peak_at_2: int, capacity: int) -> int | None:
+    """Where the line through the peaks at batch 1 and 2 meets ``capacity``."""
+    per_sample = peak_at_2 - peak_at_1
+    if per_sample <= 0:
+        return None
+    return max(1, (capacity - (peak_at_1 - per_sample)) // per_sample)
+
+
+def recommended(max_size: int | None, align: bool = True) -> int | None:
+    """``max_size`` rounded down to a multiple of 8 when that gives up less than 10%."""
+    if max_size is None or not align or max_size < ALIGNMENT:
+        return max_size
+    aligned = max_size // ALIGNMENT * ALIGNMENT
+    return aligned if (max_size - aligned) / max_size < ALIGNMENT_MAX_COST else max_size

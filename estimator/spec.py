@@ -1,0 +1,265 @@
+"""The estimate request and response of ../shared/API.md, with their limits.
+
+>>> req = parse_request({"model": {"source": "torchvision", "name": "resnet18"}, "gpus": ["T4-16GB"]})
+>>> req.training.precision, req.gpus
+('fp32', ['T4-16GB'])
+
+Every bad value becomes a ``SpecError`` naming the field path (``model.name``,
+``gpus[1]``), the value and what was expected; pydantic's own errors are
+translated here, at one seam (``parse_request``).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from estimator.errors import SpecError
+
+MAX_BATCH = 2**20
+MAX_SEQ_LEN = 2**20
+# Sane inputs: up to 64 channels and 8192 px a side (whole-slide tiles, 8K
+# frames); a 16x16 px minimum lets every torchvision/timm stem run.
+MAX_CHANNELS = 64
+MIN_SIDE, MAX_SIDE = 16, 8192
+MAX_FRAMES = 512
+TASKS = ("causal-lm", "masked-lm", "sequence-classification", "seq2seq-lm", "image-classification")
+
+_STRICT = ConfigDict(extra="forbid", strict=True)
+# JSON-only kwargs: no callables, no objects, so nothing in a request is code.
+JSONValue = Union[None, bool, int, float, str, list[Any], dict[str, Any]]
+
+
+class TorchvisionModel(BaseModel):
+    model_config = _STRICT
+    source: Literal["torchvision"]
+    name: str = Field(description="torchvision's model name", examples=["resnet50"])
+    kwargs: dict[str, JSONValue] = Field(default_factory=dict, description="constructor arguments",
+                                         examples=[{"num_classes": 10}])
+
+
+class TimmModel(BaseModel):
+    model_config = _STRICT
+    source: Literal["timm"]
+    name: str = Field(description="a name in timm.list_models()", examples=["convnext_tiny"])
+    kwargs: dict[str, JSONValue] = Field(default_factory=dict, description="passed to timm.create_model")
+
+
+class TransformersModel(BaseModel):
+    model_config = _STRICT
+    source: Literal["transformers"]
+    preset: str | None = Field(None, description="a config shipped with batchfit", examples=["bert-large-uncased"])
+    config: dict[str, JSONValue] | None = Field(
+        None, description="an inline config.json; overrides the preset's keys or stands alone (needs model_type)")
+    task: Literal["causal-lm", "masked-lm", "sequence-classification", "seq2seq-lm", "image-classification"] | None = (
+        Field(None, description="the head to train; default: the preset's own task"))
+    attn_implementation: Literal["eager", "sdpa"] = Field("sdpa", description="transformers' attention kernel")
+
+
+class CustomModel(BaseModel):
+    """A local ``package.module:factory``; library and CLI only, refused over HTTP."""
+
+    model_config = _STRICT
+    source: Literal["custom"]
+    factory: str = Field(description="package.module:callable returning an nn.Module", examples=["mypkg.nets:make"])
+    kwargs: dict[str, JSONValue] = Field(default_factory=dict)
+
+
+ModelSpec = Annotated[Union[TorchvisionModel, TimmModel, TransformersModel, CustomModel], Field(discriminator="source")]
+
+
+class InputSpec(BaseModel):
+    model_config = _STRICT
+    image_size: list[int] | None = Field(None, description="[C, H, W] for vision models", examples=[[3, 224, 224]])
+    num_frames: int | None = Field(None, ge=1, le=MAX_FRAMES, description="frames per clip for video models")
+    seq_len: int | None = Field(None, ge=1, le=MAX_SEQ_LEN, description="tokens per sample for text models")
+    target_seq_len: int | None = Field(None, ge=1, le=MAX_SEQ_LEN, description="decoder tokens for seq2seq")
+
+    @field_validator("image_size")
+    @classmethod
+    def _sane_image(cls, v: list[int] | None) -> list[int] | None:
+        if v is None:
+            return v
+        if len(v) != 3:
+            raise ValueError("a list of 3 integers [C, H, W]")
+        c, h, w = v
+        if not 1 <= c <= MAX_CHANNELS:
+            raise ValueError(f"[C, H, W] with 1 <= C <= {MAX_CHANNELS}")
+        if not (MIN_SIDE <= h <= MAX_SIDE and MIN_SIDE <= w <= MAX_SIDE):
+            raise ValueError(f"[C, H, W] with H and W from {MIN_SIDE} to {MAX_SIDE}")
+        return v
+
+
+class OptimizerSpec(BaseModel):
+    model_config = _STRICT
+    name: Literal["sgd", "adam", "adamw", "adagrad", "rmsprop", "adafactor"] = "adamw"
+    foreach: bool | None = Field(None, description="null: PyTorch's default on a real GPU")
+    fused: bool | None = None
+    momentum: float | None = Field(None, ge=0.0)
+    nesterov: bool | None = None
+    amsgrad: bool | None = None
+    centered: bool | None = None
+    weight_decay: float | None = Field(None, ge=0.0)
+
+    def kwargs(self) -> dict[str, Any]:
+        return {k: v for k, v in self.model_dump(exclude={"name"}).items() if v is not None}
+
+
+class TrainingSpec(BaseModel):
+    model_config = _STRICT
+    precision: Literal["fp32", "amp-fp16", "amp-bf16", "bf16"] = "fp32"
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
+    gradient_checkpointing: bool | Literal["reentrant", "non-reentrant"] = False
+    grad_accumulation_steps: int = Field(1, ge=1, le=4096)
+    zero_grad_set_to_none: bool = True
+
+
+class CustomGPUSpec(BaseModel):
+    model_config = _STRICT
+    name: str = Field(min_length=1, max_length=64)
+    memory_bytes: int = Field(ge=2**20, le=2**44, description="capacity as nvidia-smi reports it")
+    compute_capability: str = Field("8.0", pattern=r"^\d{1,2}\.\d$", examples=["8.0"])
+    context_bytes: int | None = Field(None, ge=0, le=2**36, description="CUDA context; default 450 MiB")
+
+
+class EstimateRequest(BaseModel):
+    model_config = _STRICT
+    model: ModelSpec
+    input: InputSpec = Field(default_factory=InputSpec)
+    training: TrainingSpec = Field(default_factory=TrainingSpec)
+    gpus: list[Union[str, CustomGPUSpec]] | None = Field(
+        None, min_length=1, max_length=64, description="catalog names or custom cards; null: the whole catalog")
+    batch_size: int | None = Field(None, ge=1, le=MAX_BATCH, description="also report memory at exactly this batch")
+
+
+# --- response ---------------------------------------------------------------
+
+class MemoryAtBatch(BaseModel):
+    batch_size: int
+    allocated_peak_bytes: int = Field(description="torch.cuda.max_memory_allocated()")
+    reserved_peak_bytes: int = Field(description="torch.cuda.max_memory_reserved()")
+    device_peak_bytes: int = Field(description="nvidia-smi: reserved + CUDA context")
+    fits: bool
+    peak_phase: str = Field("", description="phase of the step where the allocated peak falls")
+    peak_module: str = Field("", description="module running at the allocated peak")
+
+
+class GPUResult(BaseModel):
+    gpu: str
+    capacity_bytes: int = Field(description="the card's memory as nvidia-smi reports it")
+    max_batch_size: int | None = Field(description="largest batch whose simulated step never fails; null: not even 1")
+    recommended_batch_size: int | None
+    memory: MemoryAtBatch
+
+
+class BreakdownOut(BaseModel):
+    parameters: int = 0
+    gradients: int = 0
+    optimizer_state: int = 0
+    activations: int = 0
+    temporaries: int = 0
+    inputs: int = 0
+    buffers: int = 0
+    workspace: int = 0
+    batch_size: int = Field(0, description="the batch this breakdown is for")
+
+
+class Provenance(BaseModel):
+    batchfit: str
+    torch: str
+    catalog: str
+    seconds: float
+    simulations: int = Field(description="full training-step simulations run")
+
+
+class EstimateResponse(BaseModel):
+    results: list[GPUResult]
+    breakdown: BreakdownOut = Field(description="bytes live at the allocated peak, by category")
+    per_sample_bytes: int = Field(description="allocated peak growth per sample (batch 2 minus batch 1)")
+    fixed_bytes: int = Field(description="allocated peak at batch 1 minus per_sample_bytes")
+    parameter_count: int = 0
+    assumptions: list[str] = Field(default_factory=list)
+    warnings: list[str] = Field(default_factory=list)
+    provenance: Provenance
+
+
+# --- the seam -----------------------------------------------------------------
+
+def _path(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in ("torchvision", "timm", "transformers", "custom", "str", "CustomGPUSpec"):
+            continue  # union branch names pydantic puts in the location
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def _lookup(data: Any, loc: tuple) -> Any:
+    for part in loc:
+        if isinstance(data, dict) and part in data:
+            data = data[part]
+        elif isinstance(data, list) and isinstance(part, int) and part < len(data):
+            data = data[part]
+        elif part in ("torchvision", "timm", "transformers", "custom", "str", "CustomGPUSpec"):
+            continue
+        else:
+            return None
+    return data
+
+
+def parse_request(data: Any, *, allow_local_code: bool = False) -> EstimateRequest:
+    """Validate a decoded JSON request; ``SpecError`` names the first bad field."""
+    if isinstance(data, (str, bytes)):
+        try:
+            data = json.loads(data)
+        except json.JSONDecodeError as exc:
+            raise SpecError("(body)", data[:80], f"a JSON object ({exc.msg} at line {exc.lineno})") from exc
+    if not isinstance(data, dict):
+        raise SpecError("(body)", data, "a JSON object with at least 'model'")
+    try:
+        req = EstimateRequest.model_validate(data)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        # A union reports one error per branch: keep the deepest (the branch
+        # the value was meant for); equally deep ones are alternatives.
+        first = _path(errors[0]["loc"])
+        same = [e for e in errors if _path(e["loc"]).startswith(first)] or errors[:1]
+        deepest = max(len(e["loc"]) for e in same)
+        chosen = [e for e in same if len(e["loc"]) == deepest]
+        err = chosen[0]
+        loc = tuple(err["loc"])
+        value = None if err["type"] == "missing" else err.get("input", _lookup(data, loc))
+        expected = " or ".join(dict.fromkeys(_expected(e) for e in chosen))
+        raise SpecError(_path(loc) or "(body)", value, expected) from exc
+    if isinstance(req.model, CustomModel) and not allow_local_code:
+        raise SpecError("model.source", "custom", "torchvision, timm or transformers (custom factories run "
+                        "only from the library or the CLI's --model, never from a request)")
+    if isinstance(req.model, TransformersModel) and req.model.preset is None and req.model.config is None:
+        raise SpecError("model.preset", None, "a preset name or an inline config (or both)")
+    return req
+
+
+def _expected(err: dict) -> str:
+    kind, ctx, msg = err["type"], err.get("ctx", {}), err["msg"]
+    if kind == "missing":
+        return "a value (the field is required)"
+    if kind == "extra_forbidden":
+        return "no such field (check the spelling against API.md)"
+    if kind == "literal_error":
+        return f"one of {ctx.get('expected', '')}"
+    if kind in ("greater_than_equal", "less_than_equal", "greater_than", "less_than"):
+        return msg.replace("Input should be ", "a number ")
+    if kind == "union_tag_invalid":
+        return f"model.source one of {ctx.get('expected_tags', '')}"
+    if kind == "union_tag_not_found":
+        return "a 'source' field: torchvision, timm or transformers"
+    if kind == "value_error":
+        return msg.removeprefix("Value error, ")
+    if kind == "model_type" or kind == "dict_type":
+        return "an object {name, memory_bytes, compute_capability}" if "CustomGPUSpec" in err["loc"] else "an object"
+    return msg.replace("Input should be ", "")
