@@ -18,7 +18,11 @@ GIB = 2**30
 
 def _read_spec(path: str) -> object:
     try:
-        text = sys.stdin.read() if path == "-" else open(path, encoding="utf-8").read()
+        if path == "-":
+            text = sys.stdin.read()
+        else:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
     except OSError as exc:
         raise SpecError("--spec", path, f"a readable JSON file ({exc.strerror})") from exc
     try:

@@ -86,9 +86,9 @@ def estimate(request: EstimateRequest, *, built: BuiltModel | None = None, progr
              align: bool = True) -> EstimateResponse:
     """Answer ``request`` (API.md): per card the max and recommended batch and the memory."""
     t0 = time.perf_counter()
-    built = built or build(request)
+    cards = cards_of(request)  # cheap checks first: a bad card name fails before any build
     recipe = recipe_of(request)
-    cards = cards_of(request)
+    built = built or build(request)
     sim = Simulator(built, recipe, progress)
     assumptions = list(built.assumptions)
     warnings: list[str] = []

@@ -187,13 +187,21 @@ class EstimateResponse(BaseModel):
 
 # --- the seam -----------------------------------------------------------------
 
+_BRANCHES = {"torchvision", "timm", "transformers", "custom", "str", "int", "float", "bool", "CustomGPUSpec"}
+
+
+def _is_branch(part: object) -> bool:
+    """A union branch name pydantic puts in an error's location, not a field."""
+    return isinstance(part, str) and (part in _BRANCHES or part.startswith(("literal[", "list[", "dict[")))
+
+
 def _path(loc: tuple) -> str:
     out = ""
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part in ("torchvision", "timm", "transformers", "custom", "str", "CustomGPUSpec"):
-            continue  # union branch names pydantic puts in the location
+        elif _is_branch(part):
+            continue
         else:
             out += f".{part}" if out else str(part)
     return out
@@ -205,7 +213,7 @@ def _lookup(data: Any, loc: tuple) -> Any:
             data = data[part]
         elif isinstance(data, list) and isinstance(part, int) and part < len(data):
             data = data[part]
-        elif part in ("torchvision", "timm", "transformers", "custom", "str", "CustomGPUSpec"):
+        elif _is_branch(part):
             continue
         else:
             return None

@@ -56,6 +56,10 @@ def build_torchvision(spec: TorchvisionModel, inp: InputSpec) -> BuiltModel:
     kwargs = dict(spec.kwargs)
     refuse_downloads(kwargs, "model.kwargs", {"weights": None, "weights_backbone": None})
     kwargs["weights"] = None
+    if spec.name in ("googlenet", "inception_v3"):
+        # Their scipy-based init only matters for real weights; skipping it
+        # also skips torchvision's FutureWarning about it.
+        kwargs.setdefault("init_weights", False)
     if family == "segmentation":
         kwargs["weights_backbone"] = None
     factory = functools.partial(tvm.get_model, spec.name, **kwargs)

@@ -1,0 +1,203 @@
+"""Every builder's models build on meta, simulate a training step at batch 1,
+and have exactly the parameters of the same model built for real.
+
+Real builds run on the CPU. transformers presets are built with
+``no_init_weights`` (random init changes no parameter; gpt2-xl's takes 40 s
+here) and then tied as ``from_config`` ties them; the 7B presets are too large
+to build here, so their counts are derived from the config below.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torchvision.models as tvm
+
+from estimator.gpus import get_gpu
+from estimator.models import build
+from estimator.models.transformers_models import _AUTO, presets
+from estimator.recipe import Recipe
+from estimator.spec import parse_request
+from estimator.trace import record_training
+from estimator.report import report_from_trace
+
+A100 = get_gpu("A100-80GB")
+BLOCK = 512  # the caching allocator rounds every request up to 512 B ...
+MIB = 2**20  # ... and hands a large-pool block out whole when less than 1 MiB would remain
+
+
+def simulate_batch_1(built) -> None:
+    """One simulated step at batch 1; every parameter lives on the virtual GPU."""
+    with torch.device("meta"):
+        tensors = list(built.factory().parameters())
+    trace = record_training(built.factory, built.batch_factory, built.loss_fn, 1, Recipe(), A100)
+    report = report_from_trace(trace, 1, A100)
+    fp32 = 4 * built.parameter_count
+    slack = sum(BLOCK if 4 * t.numel() <= MIB else MIB + BLOCK for t in tensors)
+    assert fp32 <= report.breakdown.parameters <= fp32 + slack
+    # AdamW: parameters, gradients and two states at least, somewhere in the step
+    assert trace.live_peak()[0] >= 3 * fp32
+
+
+def _request(model: dict, **inp) -> dict:
+    return {"model": model, "input": inp, "gpus": ["A100-80GB"]}
+
+
+# --- torchvision ----------------------------------------------------------
+
+@pytest.mark.parametrize("name", tvm.list_models(module=tvm))
+def test_torchvision_classification(name: str) -> None:
+    built = build(parse_request(_request({"source": "torchvision", "name": name})))
+    kwargs = {"init_weights": False} if name in ("googlenet", "inception_v3") else {}
+    real = tvm.get_model(name, weights=None, **kwargs)
+    assert built.parameter_count == sum(p.numel() for p in real.parameters())
+    del real
+    simulate_batch_1(built)
+
+
+@pytest.mark.parametrize("name", tvm.list_models(module=tvm.segmentation) + tvm.list_models(module=tvm.video))
+def test_torchvision_segmentation_and_video(name: str) -> None:
+    built = build(parse_request(_request({"source": "torchvision", "name": name})))
+    extra = {"weights_backbone": None} if name in tvm.list_models(module=tvm.segmentation) else {}
+    real = tvm.get_model(name, weights=None, **extra)
+    assert built.parameter_count == sum(p.numel() for p in real.parameters())
+    del real
+    simulate_batch_1(built)
+
+
+# --- timm: 44 models across families ----------------------------------------
+
+TIMM = [
+    # ResNet family
+    "resnet18", "resnet50", "resnext50_32x4d", "seresnet50", "resnetv2_50", "wide_resnet50_2",
+    # EfficientNet family
+    "efficientnet_b0", "efficientnet_b3", "efficientnetv2_rw_s", "tf_efficientnet_b0", "efficientnet_lite0",
+    # RegNet
+    "regnetx_002", "regnety_016", "regnety_040", "regnetz_b16",
+    # ConvNeXt
+    "convnext_atto", "convnext_tiny", "convnextv2_atto", "convnext_small",
+    # ViT
+    "vit_tiny_patch16_224", "vit_small_patch16_224", "vit_base_patch16_224", "vit_base_patch32_224",
+    # DeiT
+    "deit_tiny_patch16_224", "deit_small_patch16_224", "deit_base_distilled_patch16_224", "deit3_small_patch16_224",
+    # Swin
+    "swin_tiny_patch4_window7_224", "swin_small_patch4_window7_224", "swinv2_tiny_window8_256",
+    # MLP-Mixer and relatives
+    "mixer_s16_224", "mixer_b16_224", "resmlp_12_224", "gmlp_s16_224",
+    # MobileNet
+    "mobilenetv2_100", "mobilenetv3_large_100", "mobilenetv3_small_100", "mobilenetv4_conv_small",
+    # others
+    "densenet121", "inception_v3", "xception41", "dla34", "ghostnet_100", "levit_128",
+]
+
+
+@pytest.mark.parametrize("name", TIMM)
+def test_timm(name: str) -> None:
+    import timm
+
+    built = build(parse_request(_request({"source": "timm", "name": name})))
+    real = timm.create_model(name, pretrained=False)
+    assert built.parameter_count == sum(p.numel() for p in real.parameters())
+    del real
+    simulate_batch_1(built)
+
+
+def test_timm_list_is_wide_enough() -> None:
+    assert len(TIMM) >= 40
+
+
+# --- transformers presets ---------------------------------------------------
+
+# Derived from the preset configs (all without biases except Qwen2's q/k/v):
+# llama-2-7b: V=32000, d=4096, L=32, ffn=11008, 32 kv heads (k, v are d x d)
+#   layer = 4*d*d (q,k,v,o) 67,108,864 + 3*d*ffn 135,266,304 + 2 norms 8,192 = 202,383,360
+#   32 layers 6,476,267,520 + embed V*d 131,072,000 + lm_head 131,072,000 + norm 4,096 = 6,738,415,616
+# llama-3-8b: V=128256, ffn=14336, 8 kv heads of 128 (k, v are d x 1024)
+#   layer = 2*d*d 33,554,432 + 2*d*1024 8,388,608 + 3*d*ffn 176,160,768 + 8,192 = 218,112,000
+#   32 layers 6,979,584,000 + 2*V*d 1,050,673,152 + 4,096 = 8,030,261,248
+# mistral-7b: layers as llama-3-8b (6,979,584,000) + 2*32000*4096 262,144,000 + 4,096 = 7,241,732,096
+# qwen2.5-7b: V=152064, d=3584, L=28, ffn=18944, 4 kv heads of 128 (k, v are d x 512), q/k/v biases
+#   layer = q d*d+d 12,848,640 + k,v 2*(d*512+512) 3,671,040 + o d*d 12,845,056
+#           + 3*d*ffn 203,685,888 + 2 norms 7,168 = 233,057,792
+#   28 layers 6,525,618,176 + 2*V*d 1,089,994,752 + norm 3,584 = 7,615,616,512
+DERIVED = {
+    "llama-2-7b": 6_738_415_616,
+    "llama-3-8b": 8_030_261_248,
+    "mistral-7b": 7_241_732_096,
+    "qwen2.5-7b": 7_615_616_512,
+}
+
+
+def _real_count(preset: str, task: str) -> int:
+    import transformers
+    from transformers import AutoConfig
+    from transformers.initialization import no_init_weights
+
+    cfg = dict(presets()[preset])
+    cfg.pop("_source")
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    with no_init_weights():
+        model = getattr(transformers, _AUTO[task]).from_config(config, dtype=torch.float32)
+    model.tie_weights()
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_every_required_preset_is_shipped() -> None:
+    required = {"bert-base-uncased", "bert-large-uncased", "roberta-base", "distilbert-base-uncased", "gpt2",
+                "gpt2-medium", "gpt2-large", "gpt2-xl", "t5-small", "t5-base", "llama-2-7b", "llama-3-8b",
+                "mistral-7b", "qwen2.5-7b", "vit-base-patch16-224"}
+    assert required <= set(presets())
+    for name, cfg in presets().items():
+        assert cfg["_source"].startswith("huggingface.co/"), name
+        json.dumps(cfg)
+
+
+@pytest.mark.parametrize("preset", sorted(presets()))
+def test_preset(preset: str) -> None:
+    inp = {} if preset.startswith("vit") else {"seq_len": 64}
+    built = build(parse_request(_request({"source": "transformers", "preset": preset}, **inp)))
+    arch = presets()[preset]["architectures"][0]
+    task = next(t for suffix, t in (("ForCausalLM", "causal-lm"), ("LMHeadModel", "causal-lm"),
+                                    ("ForMaskedLM", "masked-lm"), ("ForConditionalGeneration", "seq2seq-lm"),
+                                    ("ForImageClassification", "image-classification")) if arch.endswith(suffix))
+    expected = DERIVED.get(preset) or _real_count(preset, task)
+    assert built.parameter_count == expected
+    simulate_batch_1(built)
+
+
+@pytest.mark.parametrize("preset, task", [
+    ("bert-base-uncased", "sequence-classification"),
+    ("gpt2", "sequence-classification"),
+    ("t5-small", "seq2seq-lm"),
+    ("roberta-base", "masked-lm"),
+])
+def test_preset_tasks(preset: str, task: str) -> None:
+    built = build(parse_request(_request({"source": "transformers", "preset": preset, "task": task}, seq_len=32)))
+    assert built.parameter_count == _real_count(preset, task)
+    simulate_batch_1(built)
+
+
+def test_inline_config_overrides_a_preset_and_stands_alone() -> None:
+    small = {"n_layer": 2, "n_embd": 128, "n_head": 4}
+    over = build(parse_request(_request({"source": "transformers", "preset": "gpt2", "config": small}, seq_len=16)))
+    alone = build(parse_request(_request(
+        {"source": "transformers", "config": {"model_type": "gpt2", **small}, "task": "causal-lm"}, seq_len=16)))
+    # gpt2 with 2 layers of 128: wte 50257*128 6,432,896 + wpe 1024*128 131,072
+    #   + per layer (ln 2*256 + attn 128*384+384 + 128*128+128 + mlp 128*512+512 + 512*128+128) 2*198,272
+    #   + ln_f 256 = 6,960,768
+    assert over.parameter_count == alone.parameter_count == 6_960_768
+    simulate_batch_1(over)
+
+
+def test_attn_implementation_selects_the_kernel() -> None:
+    def peak(attn: str) -> int:
+        built = build(parse_request(_request(
+            {"source": "transformers", "preset": "gpt2", "config": {"n_layer": 2}, "attn_implementation": attn},
+            seq_len=512)))
+        trace = record_training(built.factory, built.batch_factory, built.loss_fn, 4, Recipe(), A100)
+        return report_from_trace(trace, 4, A100).allocated_peak_bytes
+    # eager keeps (B, H, S, S) fp32 probabilities per layer; flash attention (sdpa on an A100) does not:
+    # 2 layers x (softmax out + dropout out 4*12*512*512*4 = 50,331,648 each + bool mask 12,582,912)
+    assert peak("eager") - peak("sdpa") >= 2 * 50_331_648

@@ -1,0 +1,159 @@
+"""Bad requests: each names its field, the value and what was expected, in the library and the CLI alike."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from estimator.cli import main
+from estimator.errors import SpecError
+from estimator.estimate import estimate
+from estimator.gpus import CATALOG
+from estimator.spec import EstimateResponse, parse_request
+
+TV = {"source": "torchvision", "name": "resnet18"}
+
+
+def _req(model=TV, **rest) -> dict:
+    return {"model": model, "gpus": ["A100-80GB"], **rest}
+
+
+BAD = [
+    # (request, field, a fragment of what was expected)
+    (_req({"source": "torchvision", "name": "resnet5"}), "model.name", "did you mean resnet50"),
+    (_req({"source": "timm", "name": "convnext_tinyy"}), "model.name", "convnext_tiny"),
+    (_req({"source": "transformers", "preset": "gpt-2"}), "model.preset", "did you mean gpt2"),
+    (_req({"source": "transformers", "config": {"model_type": "lama"}, "task": "causal-lm"}),
+     "model.config.model_type", "llama"),
+    (_req({"source": "pytorch-hub", "name": "x"}), "model", "torchvision"),
+    ({"gpus": ["A100-80GB"]}, "model", "required"),
+    (_req({"source": "transformers", "preset": "gpt2", "task": "translation"}), "model.task", "causal-lm"),
+    (_req({"source": "transformers", "preset": "gpt2", "task": "masked-lm"}), "model.task", "a task gpt2 supports"),
+    (_req({"source": "transformers", "preset": "bert-base-uncased"}, input={"seq_len": 1024}),
+     "input.seq_len", "at most 512"),
+    (_req({"source": "transformers", "preset": "vit-base-patch16-224"}, input={"image_size": [3, 384, 384]}),
+     "input.image_size", "[3, 224, 224]"),
+    (_req(input={"image_size": [3, 8, 8]}), "input.image_size", "from 16 to 8192"),
+    (_req(batch_size=0), "batch_size", "greater than or equal to 1"),
+    (_req(batch_size=-3), "batch_size", "greater than or equal to 1"),
+    (_req(batch_size=2**21), "batch_size", "less than or equal to 1048576"),
+    ({"model": TV, "gpus": ["A100-90GB"]}, "gpus[0]", "did you mean A100-80GB"),
+    ({"model": TV, "gpus": ["T4-16GB", "B300"]}, "gpus[1]", "catalog GPU name"),
+    (_req({"source": "transformers", "preset": "gpt2", "config": {"auto_map": {"AutoModel": "x.Y"}}}),
+     "model.config.auto_map", "no remote code"),
+    (_req({"source": "transformers", "config": {"model_type": "gpt2", "trust_remote_code": True}, "task": "causal-lm"}),
+     "model.config.trust_remote_code", "no remote code"),
+    (_req({"source": "custom", "factory": "os:system"}), "model.source", "never from a request"),
+    (_req({"source": "torchvision", "name": "resnet18", "kwargs": {"weights": "DEFAULT"}}),
+     "model.kwargs.weights", "never downloads"),
+    (_req({"source": "timm", "name": "resnet18", "kwargs": {"pretrained": True}}),
+     "model.kwargs.pretrained", "never downloads"),
+    (_req({"source": "torchvision", "name": "resnet18", "kwargs": {"num_clases": 10}}),
+     "model.kwargs", "arguments the constructor accepts"),
+    (_req({"source": "torchvision", "name": "fasterrcnn_resnet50_fpn"}), "model.name", "detection"),
+    # wrong types anywhere
+    (_req(batch_size="4"), "batch_size", "valid integer"),
+    (_req(batch_size=4.0), "batch_size", "valid integer"),
+    (_req(input={"image_size": "224"}), "input.image_size", "valid list"),
+    (_req({"source": "torchvision", "name": "resnet18", "kwargs": []}), "model.kwargs", "an object"),
+    ({"model": TV, "gpus": "A100-80GB"}, "gpus", "valid list"),
+    ({"model": TV, "gpus": [7]}, "gpus[0]", "valid string or an object"),
+    ({"model": TV, "gpus": [{"name": "big", "memory_bytes": "80GB"}]}, "gpus[0].memory_bytes", "valid integer"),
+    (_req(training={"grad_accumulation_steps": 1.5}), "training.grad_accumulation_steps", "valid integer"),
+    (_req(training={"gradient_checkpointing": "yes"}), "training.gradient_checkpointing", "reentrant"),
+    (_req(training={"optimizer": {"name": "adamw", "momentum": "0.9"}}), "training.optimizer.momentum", "valid number"),
+    (_req(training={"optimizer": {"name": "lamb"}}), "training.optimizer.name", "'adamw'"),
+    (_req(training={"precision": "fp8"}), "training.precision", "'amp-bf16'"),
+    (_req(trainig={}), "trainig", "no such field"),
+    ([1, 2], "(body)", "JSON object"),
+]
+
+
+@pytest.mark.parametrize("request_json, field, expected", BAD, ids=[f"{i}-{b[1]}" for i, b in enumerate(BAD)])
+def test_library_error(request_json, field, expected) -> None:
+    with pytest.raises(SpecError) as info:
+        estimate(parse_request(request_json))
+    assert info.value.field == field
+    assert expected in info.value.expected, str(info.value)
+    assert str(info.value).startswith(f"{field}: got ")
+
+
+@pytest.mark.parametrize("request_json, field, expected", BAD[::4], ids=[b[1] for b in BAD[::4]])
+def test_cli_error_is_the_library_error(request_json, field, expected, tmp_path, capsys) -> None:
+    with pytest.raises(SpecError) as info:
+        estimate(parse_request(request_json))
+    spec = tmp_path / "request.json"
+    spec.write_text(json.dumps(request_json))
+    assert main(["estimate", "--spec", str(spec), "--json"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == f"error: {info.value}\n"
+
+
+def test_cli_unreadable_spec(tmp_path, capsys) -> None:
+    assert main(["estimate", "--spec", str(tmp_path / "missing.json")]) == 2
+    assert "error: --spec: got" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text("{model: 1}")
+    assert main(["estimate", "--spec", str(bad)]) == 2
+    assert "a JSON object" in capsys.readouterr().err
+
+
+def _batchfit() -> str:
+    exe = Path(sys.executable).with_name("batchfit")
+    assert exe.exists(), "the batchfit console script is installed by `pip install -e .`"
+    return str(exe)
+
+
+def test_cli_end_to_end_json_contract() -> None:
+    request = {
+        "model": {"source": "torchvision", "name": "squeezenet1_1", "kwargs": {"num_classes": 10}},
+        "input": {"image_size": [3, 128, 128]},
+        "training": {"precision": "amp-bf16", "optimizer": {"name": "adamw", "foreach": None, "fused": None}},
+        "gpus": ["T4-16GB", {"name": "tiny", "memory_bytes": 2 * 2**30, "compute_capability": "8.0"}],
+    }
+    proc = subprocess.run([_batchfit(), "estimate", "--spec", "-", "--json"], input=json.dumps(request),
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 0, proc.stderr
+    body = json.loads(proc.stdout)
+    response = EstimateResponse.model_validate(body, strict=True)  # every size an int, every field present
+    assert [r.gpu for r in response.results] == ["T4-16GB", "tiny"]
+    t4, tiny = response.results
+    assert t4.capacity_bytes == CATALOG["T4-16GB"].memory_bytes and tiny.capacity_bytes == 2 * 2**30
+    for r, context in ((t4, CATALOG["T4-16GB"].context_bytes), (tiny, 450 * 2**20)):
+        m = r.memory
+        assert r.max_batch_size is not None and m.batch_size == r.max_batch_size and m.fits
+        assert r.recommended_batch_size <= r.max_batch_size
+        assert m.allocated_peak_bytes <= m.reserved_peak_bytes <= r.capacity_bytes - context
+        assert m.device_peak_bytes == m.reserved_peak_bytes + context
+    assert tiny.max_batch_size < t4.max_batch_size
+    assert response.per_sample_bytes > 0 and response.fixed_bytes > 0
+    assert response.parameter_count == 727_626  # squeezenet1_1 with 10 classes
+    assert response.provenance.torch == "2.14.1" and response.provenance.simulations >= 2
+    assert set(body["breakdown"]) >= {"parameters", "gradients", "optimizer_state", "activations", "temporaries",
+                                      "inputs"}
+
+
+def test_cli_custom_model_and_table(tmp_path) -> None:
+    (tmp_path / "mynets.py").write_text(
+        "import torch.nn as nn\n"
+        "def make(width=64):\n"
+        "    return nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, width), nn.ReLU(), nn.Linear(width, 10))\n"
+    )
+    spec = tmp_path / "req.json"
+    spec.write_text(json.dumps({"input": {"image_size": [3, 32, 32]}, "gpus": ["T4-16GB"], "batch_size": 256}))
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([_batchfit(), "estimate", "--spec", str(spec), "--model", "mynets:make"],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].split()[:3] == ["gpu", "memory", "GiB"]
+    row = lines[1].split()
+    assert row[0] == "T4-16GB" and row[4] == "256" and row[-1] == "yes"
+    # 3072*64 + 64 + 64*10 + 10 = 197,322 parameters
+    assert "197,322 parameters" in proc.stdout
