@@ -4,7 +4,8 @@
     ├── SpecError              a request field has a bad value (carries ``field``)
     │   └── UnknownGPUError    a GPU name not in the catalog
     ├── SimulationError        the model could not be simulated (carries ``where``)
-    │   └── DataDependentError the model reads tensor values (``.item()``, ...)
+    │   ├── DataDependentError the model reads tensor values (``.item()``, ...)
+    │   └── BatchTooSmallError batch norm needs more than one value per channel
     └── ReplayError            an event trace is malformed
 
 Foreign exceptions are translated at one seam (``estimator.trace``) with
@@ -51,6 +52,11 @@ class SimulationError(BatchfitError, RuntimeError):
 
 class DataDependentError(SimulationError):
     """The model reads a tensor's value, which fake tensors do not have."""
+
+
+class BatchTooSmallError(SimulationError):
+    """The batch cannot train at all: PyTorch's batch norm refuses one value per channel
+    in training (``F.batch_norm``), on a GPU as on the CPU."""
 
 
 class ReplayError(BatchfitError, ValueError):

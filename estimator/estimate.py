@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 
 from estimator import __version__
+from estimator.errors import BatchTooSmallError, SpecError
 from estimator.gpus import CATALOG, CATALOG_VERSION, GPU, MIB, custom_gpu, get_gpu
 from estimator.models import BuiltModel, build
 from estimator.planner import max_batch, recommended
@@ -66,13 +67,24 @@ class Simulator:
         key = (batch, gpu.capability, gpu.cublas_workspace_bytes)
         if key not in self.traces:
             b = self.built
-            self.traces[key] = record_training(b.factory, b.batch_factory, b.loss_fn, batch, self.recipe, gpu)
+            self.traces[key] = record_training(b.factory, b.batch_factory, b.loss_fn, batch, self.recipe, gpu,
+                                               worst_case=b.worst_case)
             if self.progress is not None:
                 self.progress(len(self.traces), f"batch {batch} on sm{gpu.capability[0]}{gpu.capability[1]}")
         return self.traces[key]
 
     def report(self, batch: int, gpu: GPU) -> MemoryReport:
         return report_from_trace(self.trace(batch, gpu), batch, gpu)
+
+
+def _smallest_batch(sim: Simulator, card: GPU, warnings: list[str]) -> int:
+    """1, or 2 when batch norm refuses a batch of one (the same on every card)."""
+    try:
+        sim.report(1, card)
+        return 1
+    except BatchTooSmallError as exc:
+        warnings.append(f"batch 1 cannot train: {exc}")
+        return 2
 
 
 def _memory(r: MemoryReport) -> MemoryAtBatch:
@@ -94,30 +106,33 @@ def estimate(request: EstimateRequest, *, built: BuiltModel | None = None, progr
     warnings: list[str] = []
     results: list[GPUResult] = []
     shown: MemoryReport | None = None
+    start = _smallest_batch(sim, cards[0], warnings)
+    if request.batch_size is not None and request.batch_size < start:
+        raise SpecError("batch_size", request.batch_size, f"at least {start}: {warnings[-1]}")
     for card in cards:
-        one = sim.report(1, card)
+        one = sim.report(start, card)
         best = None
         if one.fits:
             def probe(b: int, card: GPU = card) -> tuple[bool, int]:
                 r = sim.report(b, card)
                 return r.fits, r.allocated_peak_bytes
-            best = max_batch(probe, one.capacity_bytes or 0)
-        at = request.batch_size or best or 1
+            best = max_batch(probe, one.capacity_bytes or 0, start=start)
+        at = request.batch_size or best or start
         report = sim.report(at, card)
         if request.batch_size is not None and not report.fits:
             warnings.append(f"batch_size {request.batch_size} does not fit on {card.name}")
         if best is None:
-            warnings.append(f"{built.name} does not fit on {card.name} even at batch 1")
+            warnings.append(f"{built.name} does not fit on {card.name} even at batch {start}")
         for line in report.assumptions:
             if line not in assumptions:
                 assumptions.append(line)
-        results.append(GPUResult(gpu=card.name, capacity_bytes=card.memory_bytes, max_batch_size=best,
+        results.append(GPUResult(gpu=card.name, capacity_bytes=card.memory_bytes, min_batch_size=start, max_batch_size=best,
                                  recommended_batch_size=recommended(best, align), memory=_memory(report)))
         shown = shown or report
     if align:
         assumptions.append("recommended_batch_size: the max rounded down to a multiple of 8 (tensor cores) "
                            "when that gives up less than 10%")
-    one, two = sim.report(1, cards[0]), sim.report(2, cards[0])
+    one, two = sim.report(start, cards[0]), sim.report(start + 1, cards[0])
     per_sample = two.allocated_peak_bytes - one.allocated_peak_bytes
     for item in shown.unsupported:
         warnings.append(f"not modelled: {item}")

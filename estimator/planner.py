@@ -16,8 +16,9 @@ ALIGNMENT = 8
 ALIGNMENT_MAX_COST = 0.10
 
 
-def max_batch(probe: Callable[[int], tuple[bool, int]], capacity: int, limit: int = MAX_BATCH) -> int | None:
-    """Largest ``b`` in [1, limit] whose ``probe(b) -> (fits, allocated_peak)`` fits; None if not even 1.
+def max_batch(probe: Callable[[int], tuple[bool, int]], capacity: int, limit: int = MAX_BATCH,
+              start: int = 1) -> int | None:
+    """Largest ``b`` in [start, limit] whose ``probe(b) -> (fits, allocated_peak)`` fits; None if not even ``start``.
 
     Assumes fits is monotone in ``b``. Secant steps on the allocated peak
     (memory is close to affine in the batch) find the neighbourhood, then
@@ -26,12 +27,12 @@ def max_batch(probe: Callable[[int], tuple[bool, int]], capacity: int, limit: in
     >>> max_batch(lambda b: (b <= 37, 100 + 10 * b), capacity=480)
     37
     """
-    ok, p1 = probe(1)
+    ok, p1 = probe(start)
     if not ok:
         return None
-    lo, hi = 1, None  # invariant: fits(lo), not fits(hi)
-    _, p2 = probe(2) if limit >= 2 else (False, p1)
-    guess = affine_guess(p1, p2, capacity)
+    lo, hi = start, None  # invariant: fits(lo), not fits(hi)
+    _, p2 = probe(start + 1) if limit > start else (False, p1)
+    guess = affine_guess(p1, p2, capacity, start)
     for _ in range(3):
         top = hi - 1 if hi is not None else limit
         if guess is None or top <= lo:
@@ -42,7 +43,7 @@ def max_batch(probe: Callable[[int], tuple[bool, int]], capacity: int, limit: in
             lo = b
         else:
             hi = b
-        guess = 1 + (capacity - p1) * (b - 1) // (peak - p1) if peak > p1 else None
+        guess = start + (capacity - p1) * (b - start) // (peak - p1) if peak > p1 else None
     step = 0.01
     while hi is not None and hi - lo > 2 and lo < int(hi * (1 - step)):  # gallop down: -1%, -2%, -4%...
         b = int(hi * (1 - step))
@@ -71,12 +72,12 @@ def max_batch(probe: Callable[[int], tuple[bool, int]], capacity: int, limit: in
     return lo
 
 
-def affine_guess(peak_at_1: int, peak_at_2: int, capacity: int) -> int | None:
-    """Where the line through the peaks at batch 1 and 2 meets ``capacity``."""
+def affine_guess(peak_at_1: int, peak_at_2: int, capacity: int, start: int = 1) -> int | None:
+    """Where the line through the peaks at batch ``start`` and ``start + 1`` meets ``capacity``."""
     per_sample = peak_at_2 - peak_at_1
     if per_sample <= 0:
         return None
-    return max(1, (capacity - (peak_at_1 - per_sample)) // per_sample)
+    return max(start, start + (capacity - peak_at_1) // per_sample)
 
 
 def recommended(max_size: int | None, align: bool = True) -> int | None:

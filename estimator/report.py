@@ -130,6 +130,7 @@ def estimate_memory(
     recipe: Recipe | None = None,
     gpu: str | GPU | None = "A100-80GB",
     allocator: AllocatorConfig | None = None,
+    worst_case: bool = False,
 ) -> MemoryReport:
     """Simulate training steps of the model on ``gpu`` and report peak memory.
 
@@ -140,5 +141,6 @@ def estimate_memory(
     targets the CPU.
     """
     card = get_gpu(gpu) if isinstance(gpu, str) else gpu
-    trace = record_training(model_factory, batch_factory, loss_fn, batch_size, recipe or Recipe(), card)
+    trace = record_training(model_factory, batch_factory, loss_fn, batch_size, recipe or Recipe(), card,
+                            worst_case=worst_case)
     return report_from_trace(trace, batch_size, card, allocator)

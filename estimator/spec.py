@@ -76,6 +76,7 @@ class InputSpec(BaseModel):
     num_frames: int | None = Field(None, ge=1, le=MAX_FRAMES, description="frames per clip for video models")
     seq_len: int | None = Field(None, ge=1, le=MAX_SEQ_LEN, description="tokens per sample for text models")
     target_seq_len: int | None = Field(None, ge=1, le=MAX_SEQ_LEN, description="decoder tokens for seq2seq")
+    num_objects: int | None = Field(None, ge=1, le=1024, description="annotated objects per image for detection")
 
     @field_validator("image_size")
     @classmethod
@@ -149,6 +150,7 @@ class MemoryAtBatch(BaseModel):
 class GPUResult(BaseModel):
     gpu: str
     capacity_bytes: int = Field(description="the card's memory as nvidia-smi reports it")
+    min_batch_size: int = Field(1, description="smallest batch that trains (2 when batch norm sees 1x1 maps)")
     max_batch_size: int | None = Field(description="largest batch whose simulated step never fails; null: not even 1")
     recommended_batch_size: int | None
     memory: MemoryAtBatch

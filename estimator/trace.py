@@ -11,6 +11,8 @@ allocation with its bytes, category, owning module, phase and iteration.
 
 from __future__ import annotations
 
+import contextlib
+
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,11 +23,12 @@ from torch.utils._pytree import tree_leaves
 
 from estimator.allocator import Event
 from estimator.checkpointing import enable_checkpointing
-from estimator.errors import DataDependentError, SimulationError, SpecError
+from estimator.errors import BatchTooSmallError, DataDependentError, SimulationError, SpecError
 from estimator.gpus import GPU
 from estimator.optimizers import build_optimizer
 from estimator.recipe import Recipe
 from estimator.virtual_gpu import VirtualGPU
+from estimator.virtual_gpu.worst_case import WorstCase
 
 CATEGORIES = (
     "parameter", "buffer", "gradient", "optimizer_state", "activation", "temporary", "input", "workspace",
@@ -217,6 +220,47 @@ def _unsupported_hooks(model: torch.nn.Module) -> list[str]:
     return notes
 
 
+def build_on_meta(factory: ModelFactory) -> torch.nn.Module:
+    """Call ``factory()`` so that every parameter and buffer is on the meta device (DESIGN fact 3).
+
+    Under ``torch.device("meta")`` first. Constructors that compute with
+    tensors (RegNet derives its widths with ``.tolist()``) cannot run there;
+    those run on the CPU with each parameter and buffer moved to meta as it
+    is registered, before any initializer touches it.
+    """
+    try:
+        with torch.device("meta"):
+            return factory()
+    except Exception as first:
+        try:
+            with _register_on_meta():
+                return factory()
+        except Exception:
+            raise first from None
+
+
+@contextlib.contextmanager
+def _register_on_meta():
+    module = torch.nn.Module
+    register_parameter, register_buffer = module.register_parameter, module.register_buffer
+
+    def parameter_on_meta(self, name, param):
+        if param is not None and param.device.type != "meta":
+            param = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+        register_parameter(self, name, param)
+
+    def buffer_on_meta(self, name, tensor, persistent=True):
+        if tensor is not None:
+            tensor = tensor.to("meta")
+        register_buffer(self, name, tensor, persistent)
+
+    module.register_parameter, module.register_buffer = parameter_on_meta, buffer_on_meta
+    try:
+        yield
+    finally:
+        module.register_parameter, module.register_buffer = register_parameter, register_buffer
+
+
 def record_training(
     model_factory: ModelFactory,
     batch_factory: BatchFactory,
@@ -227,6 +271,7 @@ def record_training(
     *,
     subclass_like: bool = False,
     cpp_engine: bool = False,
+    worst_case: bool = False,
 ) -> Trace:
     """Simulate ``recipe.iterations`` training steps and return the event trace.
 
@@ -237,18 +282,22 @@ def record_training(
     """
     if not isinstance(batch_size, int) or batch_size < 1:
         raise SpecError("batch_size", batch_size, "an integer >= 1")
-    with torch.device("meta"):
-        try:
-            meta_model = model_factory()
-        except Exception as exc:
-            raise SimulationError(f"the model factory failed: {type(exc).__name__}: {exc}", "build") from exc
+    try:
+        meta_model = build_on_meta(model_factory)
+    except Exception as exc:
+        raise SimulationError(f"the model factory failed: {type(exc).__name__}: {exc}", "build") from exc
     if not isinstance(meta_model, torch.nn.Module):
         raise SpecError("model", type(meta_model).__name__, "a factory returning a torch.nn.Module")
     if recipe.precision == "bf16":
         meta_model = meta_model.to(torch.bfloat16)
     workspace = gpu.cublas_workspace_bytes if gpu is not None else 0
     vgpu = VirtualGPU(gpu, subclass_like=subclass_like, cpp_engine=cpp_engine)
+    vgpu.worst_case = WorstCase() if worst_case else None
     recorder = Recorder(vgpu, workspace)
+    if worst_case:
+        recorder.trace.assumptions.append(
+            "data-dependent sizes at their maximum (every mask element true, NMS keeps every box, "
+            ".item() in the forward reads 0): an upper bound")
     with vgpu:
         with torch.autograd.graph.node_creation_hook(
             lambda node: recorder.node_modules.__setitem__(node._sequence_nr(), recorder.module())
@@ -327,6 +376,19 @@ def _forward(vgpu, recorder, model, inputs, targets, loss_fn, recipe) -> torch.T
     return loss
 
 
+# torch.nn.functional's checks behind "Expected more than 1 value per channel when training".
+_BATCH_SIZE_CHECKS = frozenset({"_verify_batch_size", "_verify_spatial_size"})
+
+
+def _raised_in(exc: BaseException, functions: frozenset[str]) -> bool:
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name in functions:
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def _call(phase: str, fn, recorder: Recorder):
     try:
         return fn()
@@ -337,6 +399,11 @@ def _call(phase: str, fn, recorder: Recorder):
             f"the model reads a tensor's value ({exc.func}), which a simulation without data cannot know",
             where=f"{phase}, module {recorder.module() or '<top>'}",
         ) from exc
+    except ValueError as exc:
+        where = f"{phase}, module {recorder.module() or '<top>'}"
+        if _raised_in(exc, _BATCH_SIZE_CHECKS):
+            raise BatchTooSmallError(f"{exc}; the smallest batch that trains is larger", where) from exc
+        raise SimulationError(f"ValueError: {exc}", where) from exc
     except Exception as exc:
         cause = exc
         while cause.__cause__ is not None and not isinstance(cause, DataDependentError):

@@ -11,7 +11,7 @@ from zoo import ZOO
 
 # Reentrant checkpoint also snapshots the CPU RNG state (a 5,056 B host tensor made
 # outside the dispatcher) per call; that is host memory a GPU prediction never counts.
-CASES = ["mlp", "conv", "tied", "inplace", "checkpoint", "gpt2", "bert"]
+CASES = ["mlp", "conv", "tied", "inplace", "inplace_view", "checkpoint", "gpt2", "bert"]
 BATCH = 4
 
 

@@ -15,12 +15,13 @@ import pytest
 import torch
 import torchvision.models as tvm
 
+from estimator.errors import BatchTooSmallError
 from estimator.gpus import get_gpu
 from estimator.models import build
 from estimator.models.transformers_models import _AUTO, presets
 from estimator.recipe import Recipe
 from estimator.spec import parse_request
-from estimator.trace import record_training
+from estimator.trace import build_on_meta, record_training
 from estimator.report import report_from_trace
 
 A100 = get_gpu("A100-80GB")
@@ -29,11 +30,27 @@ MIB = 2**20  # ... and hands a large-pool block out whole when less than 1 MiB w
 
 
 def simulate_batch_1(built) -> None:
-    """One simulated step at batch 1; every parameter lives on the virtual GPU."""
-    with torch.device("meta"):
-        tensors = list(built.factory().parameters())
-    trace = record_training(built.factory, built.batch_factory, built.loss_fn, 1, Recipe(), A100)
-    report = report_from_trace(trace, 1, A100)
+    """One simulated step at batch 1; every parameter lives on the virtual GPU.
+
+    Models whose batch norm sees 1x1 maps (or a flat (1, C) input) cannot
+    train at batch 1 at all: PyTorch raises on a real step too, which is
+    checked on the CPU, and they are simulated at batch 2 instead.
+    """
+    tensors = list(build_on_meta(built.factory).parameters())
+    batch = 1
+    try:
+        trace = record_training(built.factory, built.batch_factory, built.loss_fn, 1, Recipe(), A100,
+                                worst_case=built.worst_case)
+    except BatchTooSmallError:
+        real = built.factory().train()
+        inputs, _ = built.batch_factory(1, "cpu")
+        with torch.no_grad(), pytest.raises(ValueError):
+            real(*inputs) if isinstance(inputs, tuple) else real(inputs)
+        del real
+        batch = 2
+        trace = record_training(built.factory, built.batch_factory, built.loss_fn, 2, Recipe(), A100,
+                                worst_case=built.worst_case)
+    report = report_from_trace(trace, batch, A100)
     fp32 = 4 * built.parameter_count
     slack = sum(BLOCK if 4 * t.numel() <= MIB else MIB + BLOCK for t in tensors)
     assert fp32 <= report.breakdown.parameters <= fp32 + slack
@@ -65,6 +82,27 @@ def test_torchvision_segmentation_and_video(name: str) -> None:
     assert built.parameter_count == sum(p.numel() for p in real.parameters())
     del real
     simulate_batch_1(built)
+
+
+@pytest.mark.parametrize("name", tvm.list_models(module=tvm.detection))
+def test_torchvision_detection(name: str) -> None:
+    built = build(parse_request(_request({"source": "torchvision", "name": name})))
+    assert built.worst_case  # proposals and NMS survivors at their maximum: an upper bound
+    real = tvm.get_model(name, weights=None, weights_backbone=None)
+    assert built.parameter_count == sum(p.numel() for p in real.parameters())
+    del real
+    simulate_batch_1(built)
+
+
+def test_detection_samplers_keep_their_size() -> None:
+    """Faster R-CNN samples 512 proposals per image for the box head: a mask with at most
+    512 ones, which the worst-case policy counts instead of taking all ~2000 proposals."""
+    built = build(parse_request(_request({"source": "torchvision", "name": "fasterrcnn_resnet50_fpn"},
+                                         image_size=[3, 800, 800])))
+    trace = record_training(built.factory, built.batch_factory, built.loss_fn, 2, Recipe(), A100, worst_case=True)
+    pooled = [a.nbytes for a in trace.allocations if a.op == "roi_align" and a.phase == "forward"]
+    # MultiScaleRoIAlign output: 2 images x 512 proposals x 256 channels x 7 x 7 x 4 B = 51,380,224
+    assert max(pooled) == 2 * 512 * 256 * 7 * 7 * 4
 
 
 # --- timm: 44 models across families ----------------------------------------

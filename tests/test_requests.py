@@ -55,7 +55,8 @@ BAD = [
      "model.kwargs.pretrained", "never downloads"),
     (_req({"source": "torchvision", "name": "resnet18", "kwargs": {"num_clases": 10}}),
      "model.kwargs", "arguments the constructor accepts"),
-    (_req({"source": "torchvision", "name": "fasterrcnn_resnet50_fpn"}), "model.name", "detection"),
+    (_req({"source": "torchvision", "name": "fasterrcnn_resnet50_fpn"}, input={"num_objects": 0}),
+     "input.num_objects", "greater than or equal to 1"),
     # wrong types anywhere
     (_req(batch_size="4"), "batch_size", "valid integer"),
     (_req(batch_size=4.0), "batch_size", "valid integer"),

@@ -71,6 +71,19 @@ class InPlaceNet(nn.Module):
         return self.norm(y).sigmoid_()
 
 
+class InPlaceOnViewNet(nn.Module):
+    """Swin V2's continuous position bias MLP: Linear on a 4-D input returns a view,
+    and ReLU(inplace=True) on it saves its output through CopySlices."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(2, 64), nn.ReLU(inplace=True), nn.Linear(64, 4))
+        self.head = nn.Linear(4 * 8 * 8, 10)
+
+    def forward(self, x):  # x: (B, 8, 8, 2)
+        return self.head(self.mlp(x).flatten(1))
+
+
 class CheckpointedMLP(nn.Module):
     def __init__(self, reentrant: bool) -> None:
         super().__init__()
@@ -157,6 +170,8 @@ ZOO = {
     "tied": (TiedLM, _tokens(500, 16), _lm_loss),
     "inplace": (InPlaceNet, lambda b, d: (torch.empty(b, 64, device=d), torch.empty(b, 64, device=d)),
                 lambda out, t: F.mse_loss(out, t)),
+    "inplace_view": (InPlaceOnViewNet, lambda b, d: (torch.empty(b, 8, 8, 2, device=d),
+                                                     torch.zeros(b, dtype=torch.long, device=d)), _ce),
     "checkpoint": (functools.partial(CheckpointedMLP, False), _mlp_batch, _ce),
     "checkpoint_reentrant": (functools.partial(CheckpointedMLP, True), _mlp_batch, _ce),
 }

@@ -37,6 +37,7 @@ class BuiltModel:
     input: dict[str, Any]
     parameter_count: int
     assumptions: list[str] = field(default_factory=list)
+    worst_case: bool = False  # data-dependent sizes at their maximum (detection)
 
 
 def build(request: EstimateRequest) -> BuiltModel:
@@ -69,9 +70,10 @@ def unknown_name(field_name: str, name: str, known: list[str], what: str) -> Spe
 
 def probe(factory: Callable[[], torch.nn.Module], field_name: str, value: Any) -> torch.nn.Module:
     """Build once on meta so bad kwargs fail here, as a ``SpecError``."""
+    from estimator.trace import build_on_meta
+
     try:
-        with torch.device("meta"):
-            model = factory()
+        model = build_on_meta(factory)
     except (TypeError, ValueError, KeyError, AssertionError, AttributeError, NotImplementedError) as exc:
         raise SpecError(field_name, value, f"arguments the constructor accepts ({type(exc).__name__}: {exc})") from exc
     if not isinstance(model, torch.nn.Module):

@@ -42,6 +42,25 @@ def segmentation_images(channels: int, height: int, width: int) -> Callable:
     return make
 
 
+def detection(channels: int, height: int, width: int, objects: int, keypoints: int | None, masks: bool) -> Callable:
+    """A list of images and a list of target dicts, as torchvision's detection models train on."""
+    def make(b: int, device: Any):
+        images = [torch.empty(channels, height, width, device=device) for _ in range(b)]
+        targets = []
+        for _ in range(b):
+            # boxes must have positive width and height: (x1, y1, x2, y2) = (0, 0, 1, 1)
+            boxes = torch.zeros(objects, 4, device=device)
+            boxes[:, 2:] = 1.0
+            t = {"boxes": boxes, "labels": torch.ones(objects, dtype=torch.long, device=device)}
+            if masks:
+                t["masks"] = torch.zeros(objects, height, width, dtype=torch.uint8, device=device)  # (N, H, W)
+            if keypoints:
+                t["keypoints"] = torch.zeros(objects, keypoints, 3, device=device)  # (N, K, [x, y, visible])
+            targets.append(t)
+        return (images, targets), None
+    return make
+
+
 def classification_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
     """Cross-entropy on the logits; auxiliary heads (Inception, GoogLeNet) weighted in."""
     if isinstance(out, torch.Tensor):

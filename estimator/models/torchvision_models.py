@@ -1,4 +1,8 @@
-"""torchvision: classification, segmentation and video models, by their registry name.
+"""torchvision: classification, segmentation, video and detection models, by their registry name.
+
+Detection models train on a list of images and synthesized targets (boxes,
+labels, and masks or keypoints where the model has those heads); their
+data-dependent sizes are simulated at their maximum (virtual_gpu/worst_case.py).
 
 Default input: a ViT's own ``image_size``; else the crop size of the first
 weights torchvision publishes for the model (its training resolution:
@@ -18,6 +22,14 @@ from estimator.models import tasks
 from estimator.spec import InputSpec, TorchvisionModel
 
 DEFAULT_FRAMES = 16  # torchvision's video references train on 16-frame clips
+# COCO train2017 has about 7.3 annotated objects per image; 8 rounds up.
+DEFAULT_OBJECTS = 8
+# Detection inputs: the transform inside R-CNN/RetinaNet/FCOS resizes to
+# min 800 / max 1333 px, so a COCO-sized image; SSD models train at their
+# fixed size; the *_320_fpn variants resize to 320.
+_DETECTION_SIDE = {"ssd300_vgg16": (300, 300), "ssdlite320_mobilenet_v3_large": (320, 320),
+                   "fasterrcnn_mobilenet_v3_large_320_fpn": (320, 320)}
+COCO_KEYPOINTS = 17
 
 
 def families() -> dict[str, list[str]]:
@@ -25,6 +37,7 @@ def families() -> dict[str, list[str]]:
         "classification": tvm.list_models(module=tvm),
         "segmentation": tvm.list_models(module=tvm.segmentation),
         "video": tvm.list_models(module=tvm.video),
+        "detection": tvm.list_models(module=tvm.detection),
     }
 
 
@@ -47,10 +60,6 @@ def build_torchvision(spec: TorchvisionModel, inp: InputSpec) -> BuiltModel:
     fam = families()
     family = next((f for f, names in fam.items() if spec.name in names), None)
     if family is None:
-        detection = tvm.list_models(module=tvm.detection)
-        if spec.name in detection:
-            raise SpecError("model.name", spec.name, "a classification, segmentation or video model "
-                            "(detection models are not supported yet: their proposals are data-dependent)")
         known = [n for names in fam.values() for n in names]
         raise unknown_name("model.name", spec.name, known, "a torchvision model name")
     kwargs = dict(spec.kwargs)
@@ -60,7 +69,7 @@ def build_torchvision(spec: TorchvisionModel, inp: InputSpec) -> BuiltModel:
         # Their scipy-based init only matters for real weights; skipping it
         # also skips torchvision's FutureWarning about it.
         kwargs.setdefault("init_weights", False)
-    if family == "segmentation":
+    if family in ("segmentation", "detection"):
         kwargs["weights_backbone"] = None
     factory = functools.partial(tvm.get_model, spec.name, **kwargs)
     model = probe(factory, "model.kwargs", spec.kwargs)
@@ -72,6 +81,10 @@ def build_torchvision(spec: TorchvisionModel, inp: InputSpec) -> BuiltModel:
         if isinstance(fixed, int) and (h, w) != (fixed, fixed):
             raise SpecError("input.image_size", inp.image_size,
                             f"[C, {fixed}, {fixed}]: {spec.name} is built for {fixed} px (kwargs image_size changes it)")
+    elif family == "detection":
+        h, w = _DETECTION_SIDE.get(spec.name, (800, 1333))
+        c = 3
+        assumptions.append(f"input.image_size not given: [3, {h}, {w}], {spec.name}'s training resolution")
     else:
         side = fixed if isinstance(fixed, int) else crop or 224
         c, h, w = 3, side, side
@@ -85,6 +98,16 @@ def build_torchvision(spec: TorchvisionModel, inp: InputSpec) -> BuiltModel:
         batch, loss = tasks.clips(c, t, h, w), tasks.classification_loss
     elif family == "segmentation":
         batch, loss = tasks.segmentation_images(c, h, w), tasks.segmentation_loss
+    elif family == "detection":
+        objects = inp.num_objects or DEFAULT_OBJECTS
+        if inp.num_objects is None:
+            assumptions.append(f"input.num_objects not given: {objects} per image (COCO averages about 7.3)")
+        resolved["num_objects"] = objects
+        keypoints = getattr(getattr(model, "roi_heads", None), "keypoint_predictor", None)
+        batch = tasks.detection(c, h, w, objects, COCO_KEYPOINTS if keypoints is not None else None,
+                                masks=getattr(getattr(model, "roi_heads", None), "mask_predictor", None) is not None)
+        return BuiltModel(f"torchvision:{spec.name}", factory, batch, tasks.model_loss, resolved,
+                          count_parameters(model), assumptions, worst_case=True)
     else:
         batch, loss = tasks.images(c, h, w), tasks.classification_loss
     return BuiltModel(f"torchvision:{spec.name}", factory, batch, loss, resolved, count_parameters(model), assumptions)

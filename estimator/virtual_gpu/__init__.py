@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from estimator.errors import DataDependentError
 from estimator.gpus import GPU
+from estimator.virtual_gpu.worst_case import WorstCase
 from estimator.virtual_gpu.attention import make_sdpa
 from estimator.virtual_gpu.device import DeviceProperties, Patches, patch_cuda_queries
 from estimator.virtual_gpu.engine import Engine, SavedTensors, TensorHooks
@@ -68,7 +69,12 @@ class _DispatchMode(TorchDispatchMode):
         vgpu = self.vgpu
         if func is torch.ops.aten._local_scalar_dense.default:
             return vgpu._scalar(args[0])
-        out = func(*args, **kwargs)
+        policy = vgpu.worst_case
+        out = NotImplemented if policy is None else policy.dispatch(func, args, kwargs)
+        if out is NotImplemented:
+            out = func(*args, **kwargs)
+        if policy is not None:
+            policy.after(func, args, kwargs, out)
         if vgpu.observer is not None:
             vgpu.observer(func, args, kwargs, out)
         return out
@@ -96,6 +102,7 @@ class VirtualGPU:
         self.hooks = TensorHooks()
         self.engine = Engine(self.saved, self.hooks, subclass_like=subclass_like)
         self.allow_item = False
+        self.worst_case: WorstCase | None = None  # data-dependent ops at their largest size
         # Tests only: leave torch's C++ engine in charge (works for fake CPU tensors).
         self.cpp_engine = cpp_engine and gpu is None
         self.unsupported: list[str] = []
@@ -214,6 +221,8 @@ class VirtualGPU:
             # GradScaler's found_inf (0: no overflow, the steady state) and
             # optimizer step counters (>= 1 once a step has run).
             return 0 if t.is_floating_point() and t.device.type != "cpu" else 1
+        if self.worst_case is not None:
+            return False if t.dtype == torch.bool else 0
         raise DataDependentError(
             "the model reads a tensor's value (.item(), bool(), a data-dependent shape), "
             "which a simulation without data cannot know",

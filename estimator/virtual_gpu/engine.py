@@ -122,6 +122,12 @@ class SavedTensors:
             self._frames[-1][1].append(weakref.ref(packed))
         else:
             seq = torch._C._autograd._get_sequence_nr() - 1
+            fn = tensor.grad_fn
+            if fn is not None and tensor._is_view() and fn._sequence_nr() == seq:
+                # An in-place op on a view saves its output after rebase_history
+                # made CopySlices; reading the view's grad_fn to save it makes
+                # a new view node. The saver is the CopySlices just before.
+                seq -= 1
             packed = _Packed(tensor, seq)
             self.by_seq.setdefault(seq, []).append(weakref.ref(packed))
         if self.on_pack is not None:
