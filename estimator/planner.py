@@ -1,8 +1,9 @@
 """The largest batch that fits, and the batch to recommend.
 
-This is the plain search: every probe is a full simulation (traces are
-shared between cards whose simulation is identical). Secant steps on the
-allocated peak find the neighbourhood of the answer, bisection pins it.
+``max_batch`` searches any monotone probe: replays of the affine trace
+(estimator/profile.py), or full simulations when the step is not affine in
+the batch. Secant steps on the allocated peak find the neighbourhood of the
+answer, bisection pins it.
 """
 
 from __future__ import annotations
@@ -10,6 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 MAX_BATCH = 2**20
+# Kept free besides the catalog's CUDA context: published context sizes for
+# one card differ by up to ~200 MiB across drivers and CUDA versions
+# (gpus.py), and the caching allocator cannot use the last partial segment.
+DEFAULT_RESERVE_BYTES = 256 * 2**20
 # Tensor cores run batches in multiples of 8 best (NVIDIA's "Deep Learning
 # Performance" guide: dimensions divisible by 8 for fp16/bf16 GEMMs).
 ALIGNMENT = 8

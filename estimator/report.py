@@ -73,9 +73,13 @@ class MemoryReport:
 
 
 def report_from_trace(
-    trace: Trace, batch_size: int, gpu: GPU | None, allocator: AllocatorConfig | None = None
+    trace: Trace, batch_size: int, gpu: GPU | None, allocator: AllocatorConfig | None = None,
+    reserve_bytes: int = 0,
 ) -> MemoryReport:
-    """Replay ``trace`` for ``gpu``: peaks as on the card when the step fits, else what it would need (no cap)."""
+    """Replay ``trace`` for ``gpu``: peaks as on the card when the step fits, else what it would need (no cap).
+
+    ``reserve_bytes`` is kept free on top of the CUDA context (the planner's safety margin).
+    """
     allocator = allocator or AllocatorConfig()
     events = trace.allocator_events()
     if gpu is None:
@@ -99,7 +103,7 @@ def report_from_trace(
     unlimited = replay(events, AllocatorConfig(
         None, allocator.max_split_size, allocator.expandable_segments, allocator.garbage_collection_threshold
     ))
-    capacity = max(gpu.memory_bytes - gpu.context_bytes, 0)
+    capacity = max(gpu.memory_bytes - gpu.context_bytes - reserve_bytes, 0)
     capped = replay(events, AllocatorConfig(
         capacity, allocator.max_split_size, allocator.expandable_segments, allocator.garbage_collection_threshold
     ))

@@ -153,6 +153,8 @@ class GPUResult(BaseModel):
     min_batch_size: int = Field(1, description="smallest batch that trains (2 when batch norm sees 1x1 maps)")
     max_batch_size: int | None = Field(description="largest batch whose simulated step never fails; null: not even 1")
     recommended_batch_size: int | None
+    search: str = Field("", description="how the max was found: 'affine, confirmed' (replays of the synthesized "
+                        "trace, checked by full simulations at max and max + 1), 'affine', or 'full'")
     memory: MemoryAtBatch
 
 

@@ -64,6 +64,8 @@ class Trace:
     unsupported: list[str] = field(default_factory=list)
     assumptions: list[str] = field(default_factory=list)
     flops: int = 0
+    sdpa_calls: list = field(default_factory=list)  # what the card-dependent attention choices read
+    card_queries: list[str] = field(default_factory=list)  # torch.cuda queries the step made
 
     def allocator_events(self) -> list[Event]:
         allocs = self.allocations
@@ -305,6 +307,8 @@ def record_training(
             _run(vgpu, recorder, meta_model, batch_factory, loss_fn, batch_size, recipe)
     trace = recorder.finish()
     trace.unsupported.extend(vgpu.unsupported)
+    trace.sdpa_calls = sorted(vgpu.sdpa_calls, key=repr)
+    trace.card_queries = sorted(set(vgpu.card_queries))
     return trace
 
 

@@ -102,6 +102,8 @@ class VirtualGPU:
         self.hooks = TensorHooks()
         self.engine = Engine(self.saved, self.hooks, subclass_like=subclass_like)
         self.allow_item = False
+        self.sdpa_calls: set = set()  # SdpaCall: what the attention backend choices read
+        self.card_queries: list[str] = []  # torch.cuda questions whose answer depends on the card
         self.worst_case: WorstCase | None = None  # data-dependent ops at their largest size
         # Tests only: leave torch's C++ engine in charge (works for fake CPU tensors).
         self.cpp_engine = cpp_engine and gpu is None
@@ -137,10 +139,12 @@ class VirtualGPU:
                     lambda: self.memory_allocated(),
                     lambda: self.max_memory_allocated(),
                     lambda: self.reset_peak(),
+                    self.card_queries.append,
                 )
                 # DESIGN fact 5: the attention backend the card would pick.
                 p.set(torch.nn.functional, "scaled_dot_product_attention",
-                      make_sdpa(torch.nn.functional.scaled_dot_product_attention, self.capability))
+                      make_sdpa(torch.nn.functional.scaled_dot_product_attention, self.capability,
+                                self.sdpa_calls.add))
                 # DESIGN fact 6: FakeTensor is not a foreach type, so optimizers
                 # would take the single-tensor path a real GPU never takes.
                 p.set(_optim, "_foreach_supported_types", list(_optim._foreach_supported_types) + [FakeTensor])

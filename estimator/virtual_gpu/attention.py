@@ -10,6 +10,8 @@ numbers cite that file.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from enum import IntEnum
 
 import torch
@@ -24,38 +26,64 @@ class SDPBackend(IntEnum):
     CUDNN = 3
 
 
-def _flash_ok(capability: tuple[int, int], q, k, v, attn_mask, requires_grad: bool) -> bool:
+@dataclass(frozen=True)
+class SdpaCall:
+    """What the backend choice reads from one call (none of it depends on the batch size)."""
+
+    dtype: torch.dtype
+    dim: int
+    head_dims: tuple[int, int, int]  # q, k, v
+    has_mask: bool
+    requires_grad: bool
+
+    @classmethod
+    def of(cls, q, k, v, attn_mask) -> "SdpaCall":
+        requires_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        return cls(q.dtype, q.dim(), (q.shape[-1], k.shape[-1], v.shape[-1]), attn_mask is not None, requires_grad)
+
+
+def _flash_ok(capability: tuple[int, int], c: SdpaCall) -> bool:
     if not (8, 0) <= capability:  # check_sm_version: flash needs sm80+
         return False
-    if q.dtype not in (torch.float16, torch.bfloat16):  # check_flash_attention_datatype
+    if c.dtype not in (torch.float16, torch.bfloat16):  # check_flash_attention_datatype
         return False
-    if attn_mask is not None:  # check_for_attn_mask
+    if c.has_mask:  # check_for_attn_mask
         return False
-    if q.dim() != 4:  # check_tensor_shapes
+    if c.dim != 4:  # check_tensor_shapes
         return False
-    d = q.shape[-1]
-    if not (d == k.shape[-1] == v.shape[-1]) or d > 256:  # check_head_dim_size_flash
+    dq, dk, dv = c.head_dims
+    if not (dq == dk == dv) or dq > 256:  # check_head_dim_size_flash
         return False
     # check_requires_grad_and_head_dim_gt192_constraints_on_sm86_89
-    if requires_grad and d > 192 and capability in ((8, 6), (8, 9)):
+    if c.requires_grad and dq > 192 and capability in ((8, 6), (8, 9)):
         return False
     return True
 
 
-def _efficient_ok(capability: tuple[int, int], q, k, v) -> bool:
+def _efficient_ok(capability: tuple[int, int], c: SdpaCall) -> bool:
     if capability < (5, 0):  # check_sm_version: mem-efficient needs sm50+
         return False
     allowed = (torch.float16, torch.float32) + ((torch.bfloat16,) if capability >= (8, 0) else ())
-    if q.dtype not in allowed:
+    if c.dtype not in allowed:
         return False
-    if q.dim() != 4:
+    if c.dim != 4:
         return False
     # check_head_dim_size_mem_efficient: q/k last dims equal and aligned
     # (8 elements for 16-bit types on tensor cores, 4 for fp32).
-    align = 8 if q.dtype in (torch.float16, torch.bfloat16) else 4
-    if q.shape[-1] != k.shape[-1] or q.shape[-1] % align or v.shape[-1] % align:
+    align = 8 if c.dtype in (torch.float16, torch.bfloat16) else 4
+    dq, dk, dv = c.head_dims
+    if dq != dk or dq % align or dv % align:
         return False
     return True
+
+
+def backend_for(call: SdpaCall, capability: tuple[int, int]) -> SDPBackend:
+    """The backend ``select_sdp_backend`` would return for this call on a card of this capability."""
+    if _flash_ok(capability, call):
+        return SDPBackend.FLASH
+    if _efficient_ok(capability, call):
+        return SDPBackend.EFFICIENT
+    return SDPBackend.MATH
 
 
 def choose_backend(capability: tuple[int, int], q, k, v, attn_mask=None, dropout_p: float = 0.0) -> SDPBackend:
@@ -65,23 +93,22 @@ def choose_backend(capability: tuple[int, int], q, k, v, attn_mask=None, dropout
     >>> choose_backend((9, 0), q, q, q).name
     'FLASH'
     """
-    requires_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    if _flash_ok(capability, q, k, v, attn_mask, requires_grad):
-        return SDPBackend.FLASH
-    if _efficient_ok(capability, q, k, v):
-        return SDPBackend.EFFICIENT
-    return SDPBackend.MATH
+    return backend_for(SdpaCall.of(q, k, v, attn_mask), capability)
 
 
-def make_sdpa(original, capability: tuple[int, int]):
+def make_sdpa(original, capability: tuple[int, int], on_call: Callable[[SdpaCall], None] | None = None):
     """``F.scaled_dot_product_attention`` that runs the backend the card would pick.
 
     ``aten::scaled_dot_product_attention`` asks a device stub, not an op, for
     the backend, so the choice is made here, above the dispatcher.
+    ``on_call`` sees what each choice read.
     """
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        backend = choose_backend(capability, query, key, value, attn_mask, dropout_p)
+        call = SdpaCall.of(query, key, value, attn_mask)
+        if on_call is not None:
+            on_call(call)
+        backend = backend_for(call, capability)
         if enable_gqa or backend == SDPBackend.MATH or query.device.type != "cuda":
             return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                             is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)

@@ -58,23 +58,35 @@ def patch_cuda_queries(
     allocated: Callable[[], int],
     peak: Callable[[], int],
     reset_peak: Callable[[], None],
+    on_query: Callable[[str], None] = lambda name: None,
 ) -> None:
-    """Answer ``torch.cuda``'s device and memory queries for ``props``."""
+    """Answer ``torch.cuda``'s device and memory queries for ``props``.
+
+    ``on_query`` hears every question whose answer depends on the card
+    (capability, properties, free memory): a trace that asked none is the
+    same on every card.
+    """
     cuda = torch.cuda
     capability = (props.major, props.minor)
+
+    def told(name: str, answer):
+        def query(*args, **kwargs):
+            on_query(name)
+            return answer() if callable(answer) else answer
+        return query
     patches.set(cuda, "is_available", lambda: True)
     patches.set(cuda, "device_count", lambda: 1)
     patches.set(cuda, "current_device", lambda: 0)
     patches.set(cuda, "is_initialized", lambda: True)
     patches.set(cuda, "_lazy_init", lambda: None)
     patches.set(cuda, "synchronize", lambda device=None: None)
-    patches.set(cuda, "get_device_properties", lambda device=None: props)
-    patches.set(cuda, "get_device_capability", lambda device=None: capability)
-    patches.set(cuda, "get_device_name", lambda device=None: props.name)
-    patches.set(cuda, "is_bf16_supported", lambda including_emulation=True: props.major >= 8)
+    patches.set(cuda, "get_device_properties", told("get_device_properties", lambda: props))
+    patches.set(cuda, "get_device_capability", told("get_device_capability", capability))
+    patches.set(cuda, "get_device_name", told("get_device_name", props.name))
+    patches.set(cuda, "is_bf16_supported", told("is_bf16_supported", props.major >= 8))
     patches.set(cuda, "memory_allocated", lambda device=None: allocated())
     patches.set(cuda, "max_memory_allocated", lambda device=None: peak())
     patches.set(cuda, "reset_peak_memory_stats", lambda device=None: reset_peak())
-    patches.set(cuda, "mem_get_info", lambda device=None: (props.total_memory - allocated(), props.total_memory))
+    patches.set(cuda, "mem_get_info", told("mem_get_info", lambda: (props.total_memory - allocated(), props.total_memory)))
     patches.set(cuda, "empty_cache", lambda: None)
     patches.set(torch.backends.cuda, "is_built", lambda: True)

@@ -1,0 +1,95 @@
+"""The affine trace: a training step's events as a function of the batch size.
+
+DESIGN, "The planner": traced at two batch sizes, a model whose op sequence
+does not change with the batch has each allocation's size ``a + k*batch``
+(a tensor of shape (B, ...) has B times the bytes of one sample). The trace
+for any batch then follows without re-tracing, and the max-batch search
+runs on the allocator replay alone. A third trace checks the fit exactly;
+any difference (ops that change with the batch, sizes not affine) and the
+planner falls back to full simulations.
+
+>>> profile = fit([(1, t1), (2, t2)], check=(5, t5))              # doctest: +SKIP
+>>> profile.events_at(64)[:2]
+
+The cuBLAS workspace is kept symbolic (category ``workspace``) so one
+profile serves cards whose workspace differs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from estimator.allocator import Event
+from estimator.trace import Trace
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class AffineTrace:
+    """Allocation ``i`` has ``const[i] + per_sample[i] * batch`` bytes; ``events`` reference them."""
+
+    const: list[int]
+    per_sample: list[int]
+    categories: list[str]
+    events: list[tuple[bool, int]]
+    phases: list[str] = field(default_factory=list)
+    modules: list[str] = field(default_factory=list)
+    min_batch: int = 1
+
+    def nbytes(self, i: int, batch: int, workspace: int) -> int:
+        if self.categories[i] == "workspace":
+            return workspace
+        return self.const[i] + self.per_sample[i] * batch
+
+    def events_at(self, batch: int, workspace: int) -> list[Event]:
+        sizes = [self.nbytes(i, batch, workspace) for i in range(len(self.const))]
+        cats = self.categories
+        return [Event(alloc, k, sizes[k], cats[k]) for alloc, k in self.events]
+
+    def matches(self, trace: Trace, batch: int) -> bool:
+        """Whether ``trace`` (a fresh simulation at ``batch``) is what this profile synthesizes."""
+        if trace.events != self.events or len(trace.allocations) != len(self.const):
+            return False
+        return all(
+            a.category == self.categories[i]
+            and (a.category == "workspace" or a.nbytes == self.const[i] + self.per_sample[i] * batch)
+            for i, a in enumerate(trace.allocations)
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema": SCHEMA_VERSION, "const": self.const, "per_sample": self.per_sample,
+                "categories": self.categories, "events": [[int(a), k] for a, k in self.events],
+                "phases": self.phases, "modules": self.modules, "min_batch": self.min_batch}
+
+
+def _same_program(a: Trace, b: Trace) -> bool:
+    if a.events != b.events or len(a.allocations) != len(b.allocations):
+        return False
+    return all(x.op == y.op and x.category == y.category and x.phase == y.phase
+               for x, y in zip(a.allocations, b.allocations))
+
+
+def fit(points: list[tuple[int, Trace]], check: tuple[int, Trace] | None = None) -> AffineTrace | None:
+    """The affine trace through two (batch, trace) points, or None when the step is not affine in the batch."""
+    (b1, t1), (b2, t2) = points
+    if b1 == b2 or not _same_program(t1, t2):
+        return None
+    const, per_sample = [], []
+    for x, y in zip(t1.allocations, t2.allocations):
+        if x.category == "workspace":
+            const.append(0)
+            per_sample.append(0)
+            continue
+        k, rem = divmod(y.nbytes - x.nbytes, b2 - b1)
+        a = x.nbytes - k * b1
+        if rem or k < 0:
+            return None
+        const.append(a)
+        per_sample.append(k)
+    profile = AffineTrace(const, per_sample, [a.category for a in t1.allocations], list(t1.events),
+                          [a.phase for a in t1.allocations], [a.module for a in t1.allocations], min(b1, b2))
+    if check is not None and not profile.matches(check[1], check[0]):
+        return None
+    return profile
