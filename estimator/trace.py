@@ -165,7 +165,22 @@ class Recorder:
                     self.trace.allocations[aid].category = category
 
     def finish(self) -> Trace:
-        """Categorize what is left: activations survive until backward, the rest is temporary."""
+        """Categorize what is left: activations survive until backward, the rest is temporary.
+
+        Runs of consecutive frees are put in allocation order: some bursts
+        come out of hash maps (clearing autocast's cast cache frees in
+        TensorImpl address order), and the allocator ends a burst of frees in
+        the same state whatever their order.
+        """
+        events = self.trace.events
+        i = 0
+        while i < len(events):
+            j = i
+            while j < len(events) and not events[j][0]:
+                j += 1
+            if j - i > 1:
+                events[i:j] = sorted(events[i:j], key=lambda e: e[1])
+            i = j + 1 if j == i else j
         for k, a in enumerate(self.trace.allocations):
             if a.category:
                 continue
