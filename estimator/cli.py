@@ -3,6 +3,8 @@
     batchfit estimate --spec request.json --json     # the API.md response
     batchfit estimate --spec - < request.json        # a table
     batchfit estimate --spec req.json --model mypkg.nets:make   # a local nn.Module factory
+    batchfit profile --spec req.json -o profile.json    # the affine trace, portable
+    batchfit estimate --profile profile.json --gpus A100-80GB H100-80GB --plot step.png
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from estimator.errors import BatchfitError, SpecError
 GIB = 2**30
 
 
-def _read_spec(path: str) -> object:
+def _read_spec(path: str, flag: str = "--spec") -> object:
     try:
         if path == "-":
             text = sys.stdin.read()
@@ -24,14 +26,20 @@ def _read_spec(path: str) -> object:
             with open(path, encoding="utf-8") as f:
                 text = f.read()
     except OSError as exc:
-        raise SpecError("--spec", path, f"a readable JSON file ({exc.strerror})") from exc
+        raise SpecError(flag, path, f"a readable JSON file ({exc.strerror})") from exc
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise SpecError("--spec", path, f"a JSON object ({exc.msg} at line {exc.lineno} column {exc.colno})") from exc
+        raise SpecError(flag, path, f"a JSON object ({exc.msg} at line {exc.lineno} column {exc.colno})") from exc
 
 
-def _estimate(args: argparse.Namespace) -> int:
+def _progress(enabled: bool):
+    if not enabled or not sys.stderr.isatty():
+        return None
+    return lambda n, note: print(f"\r  simulated {n:3d} steps ({note})\033[K", end="", file=sys.stderr, flush=True)
+
+
+def _request_from_args(args: argparse.Namespace):
     data = _read_spec(args.spec)
     if args.model is not None:
         if not isinstance(data, dict):
@@ -39,22 +47,80 @@ def _estimate(args: argparse.Namespace) -> int:
         data = {**data, "model": {"source": "custom", "factory": args.model}}
     from transformers.utils import logging as hf_logging
 
-    from estimator.estimate import estimate
     from estimator.spec import parse_request
 
     hf_logging.set_verbosity_error()  # its info lines would mix into our output
-    request = parse_request(data, allow_local_code=args.model is not None)
-    progress = None
-    if not args.json and sys.stderr.isatty():
-        progress = lambda n, note: print(f"\r  simulated {n:3d} steps ({note})", end="", file=sys.stderr, flush=True)  # noqa: E731
-    response = estimate(request, progress=progress)
+    return parse_request(data, allow_local_code=args.model is not None)
+
+
+def _estimate(args: argparse.Namespace) -> int:
+    from estimator.estimate import estimate, estimate_from_profile
+
+    if (args.spec is None) == (args.profile is None):
+        raise SpecError("--spec/--profile", None, "exactly one of --spec FILE or --profile FILE")
+    progress = _progress(not args.json)
+    if args.profile is not None:
+        from estimator.profile import PortableProfile
+
+        profile = PortableProfile.from_json(_read_spec(args.profile, "--profile"))
+        response = estimate_from_profile(profile, gpus=args.gpus, batch_size=args.batch_size)
+    else:
+        if args.gpus is not None or args.batch_size is not None:
+            raise SpecError("--gpus/--batch-size", args.gpus or args.batch_size, "set in the spec with --spec")
+        response = estimate(_request_from_args(args), progress=progress)
     if progress is not None:
         print(file=sys.stderr)
+    if args.plot is not None:
+        _plot(args, response)
     if args.json:
         print(response.model_dump_json(indent=2))
         return 0
     _table(response)
     return 0
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from estimator.estimate import make_profile
+
+    progress = _progress(True)
+    profile = make_profile(_request_from_args(args), progress=progress)
+    if progress is not None:
+        print(file=sys.stderr)
+    with open(args.output, "w", encoding="utf-8") as f:
+        json.dump(profile.to_json(), f)
+    print(f"wrote {args.output}: {profile.model}, attention backends {', '.join(profile.steps) or 'none'}")
+    return 0
+
+
+def _plot(args: argparse.Namespace, response) -> None:
+    """The first card's step at its memory batch, simulated (or synthesized from the profile) again."""
+    from estimator.estimate import cards_of, recipe_of
+    from estimator.gpus import get_gpu
+    from estimator.plot import draw_timeline
+
+    first = response.results[0]
+    batch = first.memory.batch_size
+    if args.profile is not None:
+        from estimator.profile import PortableProfile
+        from estimator.simulator import ProfileReplayer
+
+        doc = PortableProfile.from_json(_read_spec(args.profile, "--profile"))
+        replayer = ProfileReplayer(doc, 0)
+        card = get_gpu(first.gpu, field="--gpus[0]")
+        key = replayer.signature(card)
+        step = doc.first_steps[key] if batch == doc.start else doc.steps[key]
+        events, phases = step.events_at(batch, card.cublas_workspace_bytes), step.phases
+    else:
+        from estimator.models import build
+        from estimator.trace import record_training
+
+        request = _request_from_args(args)
+        card = cards_of(request)[0]
+        built = build(request)
+        trace = record_training(built.factory, built.batch_factory, built.loss_fn, batch, recipe_of(request), card,
+                                worst_case=built.worst_case)
+        events, phases = trace.allocator_events(), [a.phase for a in trace.allocations]
+    draw_timeline(events, phases, f"batch {batch} on {first.gpu}", args.plot)
 
 
 def _table(r) -> None:
@@ -98,11 +164,20 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("gpus", help="list the GPU catalog").set_defaults(func=_gpus)
     est = sub.add_parser("estimate", help="max batch and memory per GPU for a request (API.md)")
-    est.add_argument("--spec", required=True, help="request JSON file, or - for stdin")
+    est.add_argument("--spec", help="request JSON file, or - for stdin")
+    est.add_argument("--profile", help="a profile from `batchfit profile` (answers without the model's code)")
+    est.add_argument("--gpus", nargs="+", help="with --profile: catalog names (default: the whole catalog)")
+    est.add_argument("--batch-size", type=int, help="with --profile: also report memory at this batch")
     est.add_argument("--json", action="store_true", help="print the API.md response as JSON")
+    est.add_argument("--plot", metavar="FILE.png", help="draw the first card's step at its max batch")
     est.add_argument("--model", metavar="PACKAGE.MODULE:FACTORY",
                      help="a local nn.Module factory (imported here; replaces the spec's model)")
     est.set_defaults(func=_estimate)
+    prof = sub.add_parser("profile", help="write the portable profile (affine trace) of a request's model")
+    prof.add_argument("--spec", required=True, help="request JSON file, or - for stdin")
+    prof.add_argument("-o", "--output", required=True, help="where to write the profile JSON")
+    prof.add_argument("--model", metavar="PACKAGE.MODULE:FACTORY", help="a local nn.Module factory")
+    prof.set_defaults(func=_profile)
     serve = sub.add_parser("serve", help="run the HTTP service")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)

@@ -3,35 +3,35 @@
 >>> response = estimate(parse_request(request_json))                      # doctest: +SKIP
 >>> response.results[0].max_batch_size
 
-``progress(done, note)`` is called after each full simulation.
+``progress(done, note)`` is called after each full simulation. A portable
+profile (``make_profile``) answers the same request later, anywhere,
+without the model's code (``estimate_from_profile``).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import torch
 
 from estimator import __version__
+from estimator.allocator import AllocatorConfig, replay
 from estimator.errors import BatchTooSmallError, SpecError
 from estimator.gpus import CATALOG, CATALOG_VERSION, GPU, MIB, custom_gpu, get_gpu
 from estimator.models import BuiltModel, build
-from estimator.allocator import AllocatorConfig, replay
-from estimator.planner import DEFAULT_RESERVE_BYTES, MAX_BATCH, max_batch, recommended
-from estimator.profile import AffineTrace, fit
-from estimator.virtual_gpu.attention import backend_for
-from estimator.recipe import Recipe
-from estimator.report import MemoryReport, report_from_trace
-from estimator.spec import (
-    BreakdownOut, CustomGPUSpec, EstimateRequest, EstimateResponse, GPUResult, MemoryAtBatch, Provenance,
+from estimator.planner import (
+    MAX_BATCH, accumulation_plan, curve_batches, lr_advice, max_batch, recommended, step_seconds,
 )
-from estimator.trace import Trace, record_training
+from estimator.profile import PortableProfile, concrete
+from estimator.recipe import Recipe
+from estimator.report import MemoryReport
+from estimator.simulator import CHECK_OFFSET, ProfileReplayer, Progress, Simulator
+from estimator.spec import (
+    AccumulationOut, BreakdownOut, CurvePoint, CustomGPUSpec, EstimateRequest, EstimateResponse, GPUResult,
+    LearningRateOut, MemoryAtBatch, Provenance, parse_request,
+)
 
-Progress = Callable[[int, str], None]
-# The third trace that checks the affine fit: far enough from the first two
-# that a size growing other than linearly shows.
-CHECK_OFFSET = 7
+Source = Simulator | ProfileReplayer
 
 
 def recipe_of(request: EstimateRequest) -> Recipe:
@@ -56,70 +56,6 @@ def cards_of(request: EstimateRequest) -> list[GPU]:
     return cards
 
 
-class Simulator:
-    """Full simulations of one model and recipe, shared between cards that simulate alike.
-
-    A trace depends on the card only through the attention backends its
-    SDPA calls get and the cuBLAS workspace size, unless the step asked
-    torch.cuda about the card (then it is the card's own).
-    """
-
-    def __init__(self, built: BuiltModel, recipe: Recipe, progress: Progress | None = None,
-                 reserve_bytes: int = 0) -> None:
-        self.built = built
-        self.recipe = recipe
-        self.progress = progress
-        self.reserve_bytes = reserve_bytes
-        self.traces: dict[tuple, Trace] = {}
-        self.profiles: dict[tuple, AffineTrace | None] = {}
-        self._probe: Trace | None = None  # any trace: what the step asks of a card
-
-    def signature(self, gpu: GPU) -> tuple:
-        probe = self._probe
-        if probe is None:
-            return ("card", gpu.name, gpu.capability, gpu.memory_bytes, gpu.cublas_workspace_bytes)
-        if probe.card_queries:
-            return ("card", gpu.name, gpu.capability, gpu.memory_bytes, gpu.cublas_workspace_bytes)
-        backends = tuple(backend_for(c, gpu.capability) for c in probe.sdpa_calls)
-        return ("shared", backends, gpu.cublas_workspace_bytes)
-
-    def trace(self, batch: int, gpu: GPU) -> Trace:
-        key = (batch, self.signature(gpu))
-        if key not in self.traces:
-            b = self.built
-            trace = record_training(b.factory, b.batch_factory, b.loss_fn, batch, self.recipe, gpu,
-                                    worst_case=b.worst_case)
-            if self._probe is None:
-                self._probe = trace
-                key = (batch, self.signature(gpu))
-            self.traces[key] = trace
-            if self.progress is not None:
-                self.progress(len(self.traces), f"batch {batch} on {gpu.name}")
-        return self.traces[key]
-
-    def report(self, batch: int, gpu: GPU) -> MemoryReport:
-        return report_from_trace(self.trace(batch, gpu), batch, gpu, reserve_bytes=self.reserve_bytes)
-
-    def profile(self, start: int, gpu: GPU) -> AffineTrace | None:
-        """The affine trace through batches ``start + 1`` and ``start + 2``, checked at ``start + 1 + CHECK_OFFSET``.
-
-        Not through ``start``: at batch 1 some ops take other paths (a
-        (1, H, S, D) matmul folds into a view where a larger batch copies).
-        """
-        sig = self.signature(gpu)
-        if sig not in self.profiles:
-            b1, b2, b3 = start + 1, start + 2, start + 1 + CHECK_OFFSET
-            self.profiles[sig] = fit([(b1, self.trace(b1, gpu)), (b2, self.trace(b2, gpu))],
-                                     check=(b3, self.trace(b3, gpu)))
-        return self.profiles[sig]
-
-    def replay_fits(self, profile: AffineTrace, batch: int, gpu: GPU) -> tuple[bool, int]:
-        """(fits, allocated peak) of the synthesized step at ``batch``: one allocator replay, no simulation."""
-        capacity = max(gpu.memory_bytes - gpu.context_bytes - self.reserve_bytes, 0)
-        r = replay(profile.events_at(batch, gpu.cublas_workspace_bytes), AllocatorConfig(capacity))
-        return r.fits, r.allocated_peak
-
-
 def _smallest_batch(sim: Simulator, card: GPU, warnings: list[str]) -> int:
     """1, or 2 when batch norm refuses a batch of one (the same on every card)."""
     try:
@@ -138,48 +74,123 @@ def _memory(r: MemoryReport) -> MemoryAtBatch:
 
 
 def estimate(request: EstimateRequest, *, built: BuiltModel | None = None, progress: Progress | None = None,
-             align: bool = True, confirm: bool = True, reserve_bytes: int = DEFAULT_RESERVE_BYTES) -> EstimateResponse:
+             align: bool | None = None, confirm: bool | None = None,
+             reserve_bytes: int | None = None) -> EstimateResponse:
     """Answer ``request`` (API.md): per card the max and recommended batch and the memory.
 
     The max comes from replays of the affine trace, confirmed (``confirm``)
     by full simulations at the max and max + 1; when the step is not affine
     in the batch, or a confirmation disagrees, from full simulations alone.
     ``reserve_bytes`` stays free on every card besides the CUDA context.
+    The keyword arguments override the request's ``planner`` section.
     """
     t0 = time.perf_counter()
+    request = _override(request, align, confirm, reserve_bytes)
     cards = cards_of(request)  # cheap checks first: a bad card name fails before any build
     recipe = recipe_of(request)
     built = built or build(request)
-    sim = Simulator(built, recipe, progress, reserve_bytes)
-    assumptions = list(built.assumptions)
+    sim = Simulator(built, recipe, progress, request.planner.reserve_bytes)
     warnings: list[str] = []
-    results: list[GPUResult] = []
-    shown: MemoryReport | None = None
     start = _smallest_batch(sim, cards[0], warnings)
+    return _answer(sim, request, cards, start, built.name, built.parameter_count, built.input,
+                   list(built.assumptions), warnings, t0)
+
+
+def make_profile(request: EstimateRequest, *, built: BuiltModel | None = None,
+                 progress: Progress | None = None) -> PortableProfile:
+    """The portable profile of the request's model and recipe, for every attention backend the catalog uses."""
+    cards = cards_of(request)
+    built = built or build(request)
+    sim = Simulator(built, recipe_of(request), progress, request.planner.reserve_bytes)
+    warnings: list[str] = []
+    start = _smallest_batch(sim, cards[0], warnings)
+    steps, first, flops = {}, {}, {}
+    for card in list(CATALOG.values()) + cards:
+        key = sim.backend_key(card)
+        if key in steps:
+            continue
+        if sim.trace(start, card).card_queries:
+            raise SpecError("model", built.name, "a model that does not ask torch.cuda about the card "
+                            f"(it asked {', '.join(sim.trace(start, card).card_queries)}): profile it per card")
+        affine = sim.profile(start, card)
+        if affine is None:
+            raise SpecError("model", built.name, "a step whose ops do not change with the batch size "
+                            "(a portable profile synthesizes every batch from two)")
+        steps[key], first[key] = affine, concrete(sim.trace(start, card))
+        flops[key] = (sim.trace(start + 1, card).flops, sim.trace(start + 2, card).flops)
+    card = cards[0]
+    calls = [{"dtype": str(c.dtype), "dim": c.dim, "head_dims": list(c.head_dims), "has_mask": c.has_mask,
+              "requires_grad": c.requires_grad} for c in sim.trace(start, card).sdpa_calls]
+    doc = request.model_dump(mode="json", exclude={"gpus", "batch_size"})
+    doc["input"] = {**doc["input"], **built.input}
+    return PortableProfile(
+        request=doc, model=built.name, parameter_count=built.parameter_count, start=start,
+        flops=flops, sdpa_calls=calls,
+        steps=steps, first_steps=first, assumptions=list(built.assumptions) + warnings,
+        versions={"batchfit": __version__, "torch": torch.__version__.split("+")[0], "catalog": CATALOG_VERSION},
+    )
+
+
+def estimate_from_profile(profile: PortableProfile, gpus: list | None = None, batch_size: int | None = None,
+                          planner: dict | None = None) -> EstimateResponse:
+    """Answer from a profile alone: the same numbers as ``estimate(..., confirm=False)`` on the spec."""
+    t0 = time.perf_counter()
+    data = {**profile.request, "gpus": gpus, "batch_size": batch_size}
+    data["planner"] = {**data.get("planner", {}), **(planner or {}), "confirm": False}
+    request = parse_request(data)
+    cards = cards_of(request)
+    source = ProfileReplayer(profile, request.planner.reserve_bytes)
+    return _answer(source, request, cards, profile.start, profile.model, profile.parameter_count,
+                   profile.request.get("input", {}), list(profile.assumptions), [], t0)
+
+
+def _override(request: EstimateRequest, align, confirm, reserve_bytes) -> EstimateRequest:
+    changes = {k: v for k, v in (("align", align), ("confirm", confirm), ("reserve_bytes", reserve_bytes))
+               if v is not None}
+    if not changes:
+        return request
+    return request.model_copy(update={"planner": request.planner.model_copy(update=changes)})
+
+
+def _answer(source: Source, request: EstimateRequest, cards: list[GPU], start: int, name: str,
+            parameter_count: int, resolved_input: dict, assumptions: list[str], warnings: list[str],
+            t0: float) -> EstimateResponse:
+    plan = request.planner
     if request.batch_size is not None and request.batch_size < start:
         raise SpecError("batch_size", request.batch_size, f"at least {start}: {warnings[-1]}")
+    results: list[GPUResult] = []
+    shown: MemoryReport | None = None
     for card in cards:
-        best, how = _max_batch(sim, card, start, confirm, warnings)
+        best, how = _max_batch(source, card, start, plan.confirm, warnings)
         at = request.batch_size or best or start
-        report = sim.report(at, card)
+        report = source.report(at, card)
         if request.batch_size is not None and not report.fits:
             warnings.append(f"batch_size {request.batch_size} does not fit on {card.name}")
         if best is None:
-            warnings.append(f"{built.name} does not fit on {card.name} even at batch {start}")
+            warnings.append(f"{name} does not fit on {card.name} even at batch {start}")
         for line in report.assumptions:
             if line not in assumptions:
                 assumptions.append(line)
-        results.append(GPUResult(gpu=card.name, capacity_bytes=card.memory_bytes, min_batch_size=start,
-                                 max_batch_size=best, recommended_batch_size=recommended(best, align),
-                                 search=how, memory=_memory(report)))
+        result = GPUResult(gpu=card.name, capacity_bytes=card.memory_bytes, min_batch_size=start,
+                           max_batch_size=best, recommended_batch_size=recommended(best, plan.align),
+                           search=how, memory=_memory(report))
+        _advise(result, source, card, start, request, resolved_input)
+        results.append(result)
         shown = shown or report
-    assumptions.append(f"safety margin: {reserve_bytes // 2**20} MiB kept free on every card besides the CUDA "
-                       "context (context sizes vary by driver and CUDA version by about that much)")
-    if align:
+    assumptions.append(f"safety margin: {plan.reserve_bytes // 2**20} MiB kept free on every card besides the "
+                       "CUDA context (context sizes vary by driver and CUDA version by about that much)")
+    if plan.align:
         assumptions.append("recommended_batch_size: the max rounded down to a multiple of 8 (tensor cores) "
                            "when that gives up less than 10%")
-    one, two = sim.report(start, cards[0]), sim.report(start + 1, cards[0])
-    per_sample = two.allocated_peak_bytes - one.allocated_peak_bytes
+    if any(r.step_seconds is not None for r in results):
+        assumptions.append(f"step time: the step's FLOPs at {plan.efficiency:.0%} of the card's peak "
+                           "(bf16 tensor cores for amp/bf16, fp32 otherwise)")
+    # The line through the allocated peaks at start + 1 and far from it (the
+    # first card's max): peaks a few batches apart move in allocator blocks.
+    lo = start + 1
+    hi = max(results[0].max_batch_size or 0, lo + CHECK_OFFSET)
+    a, b = source.report(lo, cards[0]), source.report(hi, cards[0])
+    per_sample = (b.allocated_peak_bytes - a.allocated_peak_bytes) // (hi - lo)
     for item in shown.unsupported:
         warnings.append(f"not modelled: {item}")
     breakdown = BreakdownOut(**{k: getattr(shown.breakdown, k) for k in (
@@ -187,14 +198,15 @@ def estimate(request: EstimateRequest, *, built: BuiltModel | None = None, progr
         batch_size=shown.batch_size)
     return EstimateResponse(
         results=results, breakdown=breakdown, per_sample_bytes=per_sample,
-        fixed_bytes=one.allocated_peak_bytes - per_sample, parameter_count=built.parameter_count,
+        fixed_bytes=a.allocated_peak_bytes - per_sample * lo, parameter_count=parameter_count,
+        flops_per_sample=source.flops(start + 2, cards[0], start) - source.flops(start + 1, cards[0], start),
         assumptions=assumptions, warnings=warnings,
         provenance=Provenance(batchfit=__version__, torch=torch.__version__.split("+")[0], catalog=CATALOG_VERSION,
-                              seconds=round(time.perf_counter() - t0, 3), simulations=len(sim.traces)),
+                              seconds=round(time.perf_counter() - t0, 3), simulations=source.simulations),
     )
 
 
-def _max_batch(sim: Simulator, card: GPU, start: int, confirm: bool, warnings: list[str]) -> tuple[int | None, str]:
+def _max_batch(sim: Source, card: GPU, start: int, confirm: bool, warnings: list[str]) -> tuple[int | None, str]:
     capacity = max(card.memory_bytes - card.context_bytes - sim.reserve_bytes, 0)
 
     def full(b: int) -> tuple[bool, int]:
@@ -209,9 +221,51 @@ def _max_batch(sim: Simulator, card: GPU, start: int, confirm: bool, warnings: l
         return max_batch(full, capacity, start=start), "full"
     best = max_batch(lambda b: full(b) if b < profile.min_batch else sim.replay_fits(profile, b, card),
                      capacity, start=start)
-    if not confirm or best is None:
+    if not confirm or not sim.can_confirm or best is None:
         return best, "affine"
     if full(best)[0] and (best == MAX_BATCH or not full(best + 1)[0]):
         return best, "affine, confirmed"
     warnings.append(f"{card.name}: full simulations disagree with the affine trace at batch {best}; searched again")
     return max_batch(full, capacity, start=start), "full"
+
+
+def _advise(result: GPUResult, sim: Source, card: GPU, start: int, request: EstimateRequest,
+            resolved_input: dict) -> None:
+    """Curve, step and epoch time, accumulation and learning rate for one card's answer."""
+    plan, best = request.planner, result.max_batch_size
+    if best is None:
+        return
+    lowp = request.training.precision != "fp32"
+    peak = card.peak_tflops_bf16 if lowp else card.peak_tflops_fp32
+    ranks = plan.data_parallel_ranks
+
+    def timing(b: int) -> tuple[float | None, float | None]:
+        step = step_seconds(sim.flops(b, card, start), peak, plan.efficiency)
+        if step is None or plan.dataset_size is None:
+            return step, None
+        return step, -(-plan.dataset_size // (b * ranks)) * step
+
+    profile = sim.profiles.get(sim.signature(card))
+    for b in curve_batches(start, best, plan.curve_points) if plan.curve_points else []:
+        if profile is not None and b >= profile.min_batch:
+            capacity = max(card.memory_bytes - card.context_bytes - sim.reserve_bytes, 0)
+            r = replay(profile.events_at(b, card.cublas_workspace_bytes), AllocatorConfig(capacity))
+            device = r.reserved_peak + card.context_bytes
+        else:
+            device = sim.report(b, card).device_peak_bytes
+        step, epoch = timing(b)
+        result.curve.append(CurvePoint(batch_size=b, device_peak_bytes=device, step_seconds=step, epoch_seconds=epoch))
+    rec = result.recommended_batch_size or best
+    result.step_seconds, result.epoch_seconds = timing(rec)
+    if plan.max_epoch_seconds is not None and result.epoch_seconds is not None:
+        result.meets_epoch_limit = result.epoch_seconds <= plan.max_epoch_seconds
+    if "seq_len" in resolved_input:
+        result.max_tokens_per_batch = best * resolved_input["seq_len"]
+    if plan.target_global_batch is not None:
+        a = accumulation_plan(plan.target_global_batch, rec, ranks)
+        result.accumulation = AccumulationOut(micro_batch=a.micro_batch, steps=a.steps, ranks=a.ranks,
+                                              global_batch=a.global_batch)
+    if plan.base_lr is not None and plan.base_batch is not None:
+        global_batch = result.accumulation.global_batch if result.accumulation else rec * ranks
+        lr = lr_advice(request.training.optimizer.name, plan.base_lr, plan.base_batch, global_batch)
+        result.learning_rate = LearningRateOut(rule=lr.rule, lr=lr.lr, warmup=lr.warmup, why=lr.why)

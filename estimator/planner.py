@@ -9,6 +9,7 @@ answer, bisection pins it.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 MAX_BATCH = 2**20
 # Kept free besides the catalog's CUDA context: published context sizes for
@@ -91,3 +92,78 @@ def recommended(max_size: int | None, align: bool = True) -> int | None:
         return max_size
     aligned = max_size // ALIGNMENT * ALIGNMENT
     return aligned if (max_size - aligned) / max_size < ALIGNMENT_MAX_COST else max_size
+
+
+# --- what to train with -------------------------------------------------------
+
+# Model FLOPs utilization a well-tuned training step reaches: PaLM reports 46%
+# (Chowdhery et al. 2022, table 3), GPT-3-style dense training 30-50%
+# (Narayanan et al. 2021); 0.4 unless the caller knows better.
+DEFAULT_EFFICIENCY = 0.4
+
+
+@dataclass(frozen=True)
+class AccumulationPlan:
+    """micro_batch x steps x ranks = global_batch (>= the target, equal when it divides)."""
+
+    micro_batch: int
+    steps: int
+    ranks: int
+    global_batch: int
+
+
+def accumulation_plan(target: int, max_micro: int, ranks: int = 1) -> AccumulationPlan:
+    """Fewest accumulation steps with a micro-batch no larger than ``max_micro``.
+
+    >>> accumulation_plan(1024, max_micro=100, ranks=4)
+    AccumulationPlan(micro_batch=64, steps=4, ranks=4, global_batch=1024)
+    """
+    per_rank = -(-target // ranks)
+    fewest = -(-per_rank // max_micro)
+    for steps in range(fewest, 2 * fewest + 1):  # an exact split, if one costs at most 2x the steps
+        if per_rank % steps == 0:
+            micro = per_rank // steps
+            return AccumulationPlan(micro, steps, ranks, micro * steps * ranks)
+    micro = -(-per_rank // fewest)  # else round the global batch up
+    return AccumulationPlan(micro, fewest, ranks, micro * fewest * ranks)
+
+
+@dataclass(frozen=True)
+class LearningRate:
+    rule: str
+    lr: float
+    warmup: str
+    why: str
+
+
+def lr_advice(optimizer: str, base_lr: float, base_batch: int, batch: int) -> LearningRate:
+    """The learning rate for ``batch`` from one tuned at ``base_batch``.
+
+    SGD: the linear scaling rule with gradual warm-up (Goyal et al. 2017);
+    the Adam family: square-root scaling (Hoffer et al. 2017; Malladi et al.
+    2022 derive it for adaptive methods).
+    """
+    k = batch / base_batch
+    if optimizer in ("sgd", "rmsprop"):
+        return LearningRate("linear", base_lr * k, "ramp linearly from the base LR over the first 5 epochs",
+                            f"batch x{k:g}: gradient noise falls as 1/batch, so the step grows with it "
+                            "(Goyal et al. 2017, valid up to ~8k for ResNet-50)")
+    return LearningRate("sqrt", base_lr * k ** 0.5, "keep the base recipe's warm-up, at least 1% of the steps",
+                        f"batch x{k:g}: adaptive optimizers normalize the gradient, the noise scale grows as "
+                        "sqrt(batch) (Hoffer et al. 2017; Malladi et al. 2022)")
+
+
+def step_seconds(flops: int, peak_tflops: float, efficiency: float = DEFAULT_EFFICIENCY) -> float | None:
+    """Seconds per optimizer step: the step's FLOPs at ``efficiency`` of the card's peak."""
+    if peak_tflops <= 0:
+        return None
+    return flops / (peak_tflops * 1e12 * efficiency)
+
+
+def curve_batches(start: int, best: int, points: int = 10) -> list[int]:
+    """About ``points`` batch sizes from ``start`` to ``best``, geometric, both ends included."""
+    if best <= start or points <= 1:
+        return [best]
+    ratio = (best / start) ** (1 / (points - 1))
+    out = sorted({min(best, max(start, round(start * ratio ** i))) for i in range(points)} | {start, best})
+    return out

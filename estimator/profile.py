@@ -93,3 +93,66 @@ def fit(points: list[tuple[int, Trace]], check: tuple[int, Trace] | None = None)
     if check is not None and not profile.matches(check[1], check[0]):
         return None
     return profile
+
+
+def concrete(trace: Trace) -> AffineTrace:
+    """A trace as an affine trace with no per-sample part (the step at one batch size)."""
+    allocs = trace.allocations
+    return AffineTrace([0 if a.category == "workspace" else a.nbytes for a in allocs], [0] * len(allocs),
+                       [a.category for a in allocs], list(trace.events), [a.phase for a in allocs],
+                       [a.module for a in allocs])
+
+
+def from_json(doc: dict[str, Any]) -> AffineTrace:
+    return AffineTrace(list(doc["const"]), list(doc["per_sample"]), list(doc["categories"]),
+                       [(bool(a), int(k)) for a, k in doc["events"]], list(doc.get("phases", [])),
+                       list(doc.get("modules", [])), int(doc.get("min_batch", 1)))
+
+
+@dataclass
+class PortableProfile:
+    """Everything ``batchfit estimate --profile`` needs, without the model's code.
+
+    ``steps`` maps an attention-backend signature (the backends the step's
+    SDPA calls get on a card, comma-joined; empty without SDPA) to the
+    affine trace for batches >= ``start + 1``; ``first_steps`` holds the
+    step at ``start`` itself, which may take other paths.
+    """
+
+    request: dict[str, Any]
+    model: str
+    parameter_count: int
+    start: int
+    flops: dict[str, tuple[int, int]]  # per backend signature: FLOPs at start + 1 and start + 2
+    sdpa_calls: list[dict[str, Any]]
+    steps: dict[str, AffineTrace]
+    first_steps: dict[str, AffineTrace]
+    assumptions: list[str]
+    versions: dict[str, str]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema": "batchfit.profile", "version": SCHEMA_VERSION, "versions": self.versions,
+            "request": self.request, "model": self.model, "parameter_count": self.parameter_count,
+            "start": self.start, "flops": {k: list(v) for k, v in self.flops.items()}, "sdpa_calls": self.sdpa_calls,
+            "assumptions": self.assumptions,
+            "steps": {k: v.to_json() for k, v in self.steps.items()},
+            "first_steps": {k: v.to_json() for k, v in self.first_steps.items()},
+        }
+
+    @classmethod
+    def from_json(cls, doc: Any) -> "PortableProfile":
+        from estimator.errors import SpecError
+
+        if not isinstance(doc, dict) or doc.get("schema") != "batchfit.profile":
+            raise SpecError("--profile", type(doc).__name__, "a batchfit profile (schema 'batchfit.profile')")
+        if doc.get("version") != SCHEMA_VERSION:
+            raise SpecError("--profile.version", doc.get("version"), f"{SCHEMA_VERSION} (re-run batchfit profile)")
+        try:
+            return cls(doc["request"], doc["model"], int(doc["parameter_count"]), int(doc["start"]),
+                       {k: (int(v[0]), int(v[1])) for k, v in doc["flops"].items()}, list(doc["sdpa_calls"]),
+                       {k: from_json(v) for k, v in doc["steps"].items()},
+                       {k: from_json(v) for k, v in doc["first_steps"].items()},
+                       list(doc["assumptions"]), dict(doc["versions"]))
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise SpecError("--profile", f"{type(exc).__name__}: {exc}", "a complete batchfit profile") from exc

@@ -7,9 +7,10 @@ True
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from estimator.allocator import AllocatorConfig, replay
+from estimator.allocator import AllocatorConfig, Event, replay
 from estimator.gpus import GPU, get_gpu
 from estimator.recipe import Recipe
 from estimator.trace import BatchFactory, LossFn, ModelFactory, Trace, record_training
@@ -100,6 +101,22 @@ def report_from_trace(
             at.phase if at else "", at.module if at else "", at.iteration if at else 0,
             list(trace.unsupported), list(trace.assumptions), trace,
         )
+
+    def where(k: int) -> tuple[str, str, int]:
+        a = trace.allocations[k]
+        return a.phase, a.module, a.iteration
+
+    return report_from_events(events, batch_size, gpu, where, trace.unsupported, trace.assumptions,
+                              allocator, reserve_bytes, trace)
+
+
+def report_from_events(
+    events: list[Event], batch_size: int, gpu: GPU, where: Callable[[int], tuple[str, str, int]],
+    unsupported: list[str], assumptions: list[str], allocator: AllocatorConfig | None = None,
+    reserve_bytes: int = 0, trace: Trace | None = None,
+) -> MemoryReport:
+    """``report_from_trace`` for events alone (a synthesized step); ``where(k)`` names allocation k's place."""
+    allocator = allocator or AllocatorConfig()
     unlimited = replay(events, AllocatorConfig(
         None, allocator.max_split_size, allocator.expandable_segments, allocator.garbage_collection_threshold
     ))
@@ -111,8 +128,8 @@ def report_from_trace(
     # frees cached blocks and retries instead of growing, so the card's
     # replay is what torch.cuda.max_memory_reserved() would report.
     shown = capped if capped.fits else unlimited
-    at = trace.allocations[trace.events[unlimited.peak_event][1]] if trace.events else None
-    assumptions = list(trace.assumptions) + [
+    phase, module, iteration = where(events[unlimited.peak_event].key) if events else ("", "", 0)
+    notes = list(assumptions) + [
         f"CUDA context on {gpu.name}: {gpu.context_bytes // 2**20} MiB (catalog default; driver dependent)",
         f"cuBLAS workspace {gpu.cublas_workspace_bytes} B per handle, allocated through the caching allocator",
     ]
@@ -120,8 +137,7 @@ def report_from_trace(
         gpu.name, batch_size,
         shown.allocated_peak, shown.reserved_peak, shown.reserved_peak + gpu.context_bytes,
         gpu.context_bytes, capacity, capped.fits, Breakdown.from_categories(unlimited.breakdown_at_peak),
-        at.phase if at else "", at.module if at else "", at.iteration if at else 0,
-        list(trace.unsupported), assumptions, trace,
+        phase, module, iteration, list(unsupported), notes, trace,
     )
 
 

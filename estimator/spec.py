@@ -125,6 +125,22 @@ class CustomGPUSpec(BaseModel):
     context_bytes: int | None = Field(None, ge=0, le=2**36, description="CUDA context; default 450 MiB")
 
 
+class PlannerSpec(BaseModel):
+    model_config = _STRICT
+    align: bool = Field(True, description="round the recommendation down to a multiple of 8 when it costs < 10%")
+    confirm: bool = Field(True, description="confirm each max with full simulations at max and max + 1")
+    reserve_bytes: int = Field(256 * 2**20, ge=0, le=2**40,
+                               description="kept free on every card besides the CUDA context (safety margin)")
+    curve_points: int = Field(10, ge=0, le=50, description="batch sizes in the memory curve")
+    data_parallel_ranks: int = Field(1, ge=1, le=65536)
+    target_global_batch: int | None = Field(None, ge=1, le=2**30, description="plan accumulation for this batch")
+    base_lr: float | None = Field(None, gt=0, description="a learning rate tuned at base_batch")
+    base_batch: int | None = Field(None, ge=1, le=2**30)
+    dataset_size: int | None = Field(None, ge=1, le=2**48, description="samples per epoch")
+    max_epoch_seconds: float | None = Field(None, gt=0)
+    efficiency: float = Field(0.4, gt=0, le=1, description="fraction of the card's peak FLOP/s a step reaches")
+
+
 class EstimateRequest(BaseModel):
     model_config = _STRICT
     model: ModelSpec
@@ -133,6 +149,7 @@ class EstimateRequest(BaseModel):
     gpus: list[Union[str, CustomGPUSpec]] | None = Field(
         None, min_length=1, max_length=64, description="catalog names or custom cards; null: the whole catalog")
     batch_size: int | None = Field(None, ge=1, le=MAX_BATCH, description="also report memory at exactly this batch")
+    planner: PlannerSpec = Field(default_factory=PlannerSpec)
 
 
 # --- response ---------------------------------------------------------------
@@ -147,6 +164,27 @@ class MemoryAtBatch(BaseModel):
     peak_module: str = Field("", description="module running at the allocated peak")
 
 
+class CurvePoint(BaseModel):
+    batch_size: int
+    device_peak_bytes: int
+    step_seconds: float | None = None
+    epoch_seconds: float | None = None
+
+
+class AccumulationOut(BaseModel):
+    micro_batch: int
+    steps: int
+    ranks: int
+    global_batch: int
+
+
+class LearningRateOut(BaseModel):
+    rule: str
+    lr: float
+    warmup: str
+    why: str
+
+
 class GPUResult(BaseModel):
     gpu: str
     capacity_bytes: int = Field(description="the card's memory as nvidia-smi reports it")
@@ -156,6 +194,13 @@ class GPUResult(BaseModel):
     search: str = Field("", description="how the max was found: 'affine, confirmed' (replays of the synthesized "
                         "trace, checked by full simulations at max and max + 1), 'affine', or 'full'")
     memory: MemoryAtBatch
+    curve: list[CurvePoint] = Field(default_factory=list, description="device peak at batch sizes up to the max")
+    step_seconds: float | None = Field(None, description="one optimizer step at the recommended batch")
+    epoch_seconds: float | None = Field(None, description="one epoch of dataset_size at the recommended batch")
+    meets_epoch_limit: bool | None = None
+    max_tokens_per_batch: int | None = Field(None, description="text models: max_batch_size x seq_len")
+    accumulation: AccumulationOut | None = None
+    learning_rate: LearningRateOut | None = None
 
 
 class BreakdownOut(BaseModel):
@@ -181,9 +226,11 @@ class Provenance(BaseModel):
 class EstimateResponse(BaseModel):
     results: list[GPUResult]
     breakdown: BreakdownOut = Field(description="bytes live at the allocated peak, by category")
-    per_sample_bytes: int = Field(description="allocated peak growth per sample (batch 2 minus batch 1)")
-    fixed_bytes: int = Field(description="allocated peak at batch 1 minus per_sample_bytes")
+    per_sample_bytes: int = Field(description="allocated peak growth per sample, first card (line through the "
+                                  "peaks at the smallest batch + 1 and at its max)")
+    fixed_bytes: int = Field(description="that line's value at batch 0")
     parameter_count: int = 0
+    flops_per_sample: int = Field(0, description="forward + backward FLOPs per sample (torch.utils.flop_counter)")
     assumptions: list[str] = Field(default_factory=list)
     warnings: list[str] = Field(default_factory=list)
     provenance: Provenance

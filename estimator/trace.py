@@ -12,7 +12,6 @@ allocation with its bytes, category, owning module, phase and iteration.
 from __future__ import annotations
 
 import contextlib
-
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from typing import Any
 
 import torch
 from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry as _FLOPS
 
 from estimator.allocator import Event
 from estimator.checkpointing import enable_checkpointing
@@ -99,6 +99,7 @@ class Recorder:
         self.workspace_bytes = workspace_bytes
         self.workspaces: set[str] = set()
         self.survivors: set[int] = set()
+        self.iteration_flops: dict[int, int] = {}
         vgpu.observer = self.observe
         vgpu.memory_allocated = lambda: self.live_bytes
         vgpu.max_memory_allocated = lambda: self.peak_bytes
@@ -117,6 +118,11 @@ class Recorder:
 
     def observe(self, func, args, kwargs, out) -> None:
         name = func._schema.name.split("::")[-1]
+        count = _FLOPS.get(func._overloadpacket)
+        if count is not None and self.phase in ("forward", "loss", "backward"):
+            # torch.utils.flop_counter's formulas (DESIGN fact 8), in this same fake pass
+            self.iteration_flops[self.iteration] = (
+                self.iteration_flops.get(self.iteration, 0) + count(*args, **kwargs, out_val=out))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type == self.device_type:
                 self.track(t, name)
@@ -323,6 +329,8 @@ def record_training(
     trace = recorder.finish()
     trace.unsupported.extend(vgpu.unsupported)
     trace.sdpa_calls = sorted(vgpu.sdpa_calls, key=repr)
+    # FLOPs of one optimizer step's forward and backward passes (all accumulation micro-batches), steady state
+    trace.flops = recorder.iteration_flops.get(recipe.iterations - 1, 0)
     trace.card_queries = sorted(set(vgpu.card_queries))
     return trace
 

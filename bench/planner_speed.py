@@ -1,0 +1,54 @@
+"""A full estimate for resnet50 on every catalog card, as a ratio to one real CPU training step.
+
+Prints, measured in this run: the wall time of one real training step of
+resnet50 at batch 32 on this machine's CPU (fp32, AdamW), the wall time of
+``estimate`` for resnet50 (fp32, AdamW) on every card of the catalog with
+and without the confirming full simulations, their ratios to the CPU step
+(aim: below 0.5), and how many full simulations each needed.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+import torchvision
+
+from estimator.estimate import estimate
+from estimator.gpus import CATALOG
+from estimator.spec import parse_request
+
+
+def cpu_step_seconds(batch: int = 32) -> float:
+    model = torchvision.models.resnet50()
+    opt = torch.optim.AdamW(model.parameters())
+    x, y = torch.randn(batch, 3, 224, 224), torch.zeros(batch, dtype=torch.long)
+    F.cross_entropy(model(x), y).backward()  # warm-up: first-touch allocations, kernel selection
+    opt.step()
+    opt.zero_grad()
+    t0 = time.perf_counter()
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    request = parse_request({"model": {"source": "torchvision", "name": "resnet50"}})
+    estimate(parse_request({"model": {"source": "torchvision", "name": "resnet18"}, "gpus": ["T4-16GB"]}),
+             confirm=False)  # warm the process (imports, kernel registration), as a service worker is
+    step = cpu_step_seconds()
+    print(f"real CPU step, resnet50 b32: {step:.2f} s")
+    for confirm in (True, False):
+        t0 = time.perf_counter()
+        response = estimate(request, confirm=confirm)
+        dt = time.perf_counter() - t0
+        print(f"estimate on {len(CATALOG)} cards (confirm={confirm}): {dt:.2f} s, ratio {dt / step:.2f} "
+              f"(aim < 0.5), {response.provenance.simulations} full simulations")
+    for r in response.results[:4]:
+        print(f"  {r.gpu:<24} max {r.max_batch_size}  recommended {r.recommended_batch_size}  ({r.search})")
+
+
+if __name__ == "__main__":
+    main()
