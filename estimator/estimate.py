@@ -92,8 +92,63 @@ def estimate(request: EstimateRequest, *, built: BuiltModel | None = None, progr
     sim = Simulator(built, recipe, progress, request.planner.reserve_bytes)
     warnings: list[str] = []
     start = _smallest_batch(sim, cards[0], warnings)
-    return _answer(sim, request, cards, start, built.name, built.parameter_count, built.input,
-                   list(built.assumptions), warnings, t0)
+    response = _answer(sim, request, cards, start, built.name, built.parameter_count, built.input,
+                       list(built.assumptions), warnings, t0)
+    if request.planner.max_seq_len:
+        if "seq_len" not in built.input:
+            raise SpecError("planner.max_seq_len", True, "a text model (one with input.seq_len)")
+        longest = SeqLenSearch(request, recipe, request.batch_size or start)
+        for card, result in zip(cards, response.results):
+            result.max_seq_len = longest.max_seq_len(card)
+        response.provenance.simulations += len(longest.traces)
+        response.provenance.seconds = round(time.perf_counter() - t0, 3)
+    return response
+
+
+class SeqLenSearch:
+    """The largest seq_len that fits at one batch, by bisection on full simulations (memory is not
+    affine in the sequence length: attention scores grow with its square on the math backend)."""
+
+    def __init__(self, request: EstimateRequest, recipe: Recipe, batch: int) -> None:
+        self.request, self.recipe, self.batch = request, recipe, batch
+        self.limit = _seq_limit(request)
+        self.traces: dict[tuple, object] = {}
+
+    def fits(self, seq: int, card: GPU) -> bool:
+        from estimator.report import report_from_trace
+        from estimator.trace import record_training
+
+        key = (seq, card.capability, card.cublas_workspace_bytes)
+        if key not in self.traces:
+            req = self.request.model_copy(update={"input": self.request.input.model_copy(update={"seq_len": seq})})
+            b = build(req)
+            self.traces[key] = record_training(b.factory, b.batch_factory, b.loss_fn, self.batch, self.recipe, card,
+                                               worst_case=b.worst_case)
+        trace = self.traces[key]
+        return report_from_trace(trace, self.batch, card, reserve_bytes=self.request.planner.reserve_bytes).fits
+
+    def max_seq_len(self, card: GPU) -> int | None:
+        if self.fits(self.limit, card):
+            return self.limit
+        lo, hi = 0, self.limit
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.fits(mid, card):
+                lo = mid
+            else:
+                hi = mid
+        return lo or None
+
+
+def _seq_limit(request: EstimateRequest) -> int:
+    """The model's maximum positions, or 2**17 for models without a position table."""
+    if request.model.source == "transformers":
+        from estimator.models.transformers_models import max_positions
+
+        limit = max_positions(request.model)
+        if limit is not None:
+            return limit
+    return 2**17
 
 
 def make_profile(request: EstimateRequest, *, built: BuiltModel | None = None,

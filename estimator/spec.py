@@ -139,6 +139,8 @@ class PlannerSpec(BaseModel):
     dataset_size: int | None = Field(None, ge=1, le=2**48, description="samples per epoch")
     max_epoch_seconds: float | None = Field(None, gt=0)
     efficiency: float = Field(0.4, gt=0, le=1, description="fraction of the card's peak FLOP/s a step reaches")
+    max_seq_len: bool = Field(False, description="text models: also search the largest seq_len that fits at "
+                              "batch_size (or the smallest batch); full simulations, slower")
 
 
 class EstimateRequest(BaseModel):
@@ -199,6 +201,8 @@ class GPUResult(BaseModel):
     epoch_seconds: float | None = Field(None, description="one epoch of dataset_size at the recommended batch")
     meets_epoch_limit: bool | None = None
     max_tokens_per_batch: int | None = Field(None, description="text models: max_batch_size x seq_len")
+    max_seq_len: int | None = Field(None, description="text models, when planner.max_seq_len: the largest "
+                                    "seq_len that fits at batch_size (or the smallest batch)")
     accumulation: AccumulationOut | None = None
     learning_rate: LearningRateOut | None = None
 

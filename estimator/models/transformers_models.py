@@ -78,6 +78,14 @@ def _max_positions(config: Any) -> int | None:
     return None
 
 
+def max_positions(spec: TransformersModel) -> int | None:
+    """The longest seq_len the request's config allows (None: no position table)."""
+    from transformers import AutoConfig
+
+    raw = _config_dict(spec)
+    return _max_positions(AutoConfig.for_model(raw.pop("model_type"), **raw))
+
+
 def build_transformers(spec: TransformersModel, inp: InputSpec) -> BuiltModel:
     import transformers
     from transformers import AutoConfig
