@@ -309,7 +309,9 @@ def _advise(result: GPUResult, sim: Source, card: GPU, start: int, request: Esti
         else:
             device = sim.report(b, card).device_peak_bytes
         step, epoch = timing(b)
-        result.curve.append(CurvePoint(batch_size=b, device_peak_bytes=device, step_seconds=step, epoch_seconds=epoch))
+        meets = None if epoch is None or plan.max_epoch_seconds is None else epoch <= plan.max_epoch_seconds
+        result.curve.append(CurvePoint(batch_size=b, device_peak_bytes=device, step_seconds=step, epoch_seconds=epoch,
+                                       meets_epoch_limit=meets))
     rec = result.recommended_batch_size or best
     result.step_seconds, result.epoch_seconds = timing(rec)
     if plan.max_epoch_seconds is not None and result.epoch_seconds is not None:

@@ -171,6 +171,7 @@ class CurvePoint(BaseModel):
     device_peak_bytes: int
     step_seconds: float | None = None
     epoch_seconds: float | None = None
+    meets_epoch_limit: bool | None = Field(None, description="epoch_seconds <= planner.max_epoch_seconds")
 
 
 class AccumulationOut(BaseModel):

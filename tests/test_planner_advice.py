@@ -71,9 +71,12 @@ def test_epoch_time_and_limit() -> None:
     steps = -(-1_281_167 // (r.recommended_batch_size * 8))
     assert r.epoch_seconds == pytest.approx(steps * r.step_seconds)
     assert r.meets_epoch_limit is True
-    slow = estimate(parse_request({**base, "planner": {**planner, "max_epoch_seconds": r.epoch_seconds / 2}}),
-                    confirm=False)
+    limit = r.epoch_seconds / 2
+    slow = estimate(parse_request({**base, "planner": {**planner, "max_epoch_seconds": limit}}), confirm=False)
     assert slow.results[0].meets_epoch_limit is False
+    # which batches of the curve meet the limit: the larger ones (fewer steps, each closer to full use)
+    assert [p.meets_epoch_limit for p in slow.results[0].curve] == [p.epoch_seconds <= limit
+                                                                    for p in slow.results[0].curve]
     assert r.accumulation.global_batch == 1024 and r.accumulation.ranks == 8
     # AdamW (the default optimizer): square-root scaling, 0.1 x sqrt(1024 / 256)
     assert r.learning_rate.rule == "sqrt" and r.learning_rate.lr == pytest.approx(0.2)
