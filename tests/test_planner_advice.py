@@ -74,7 +74,7 @@ def test_epoch_time_and_limit() -> None:
     limit = r.epoch_seconds / 2
     slow = estimate(parse_request({**base, "planner": {**planner, "max_epoch_seconds": limit}}), confirm=False)
     assert slow.results[0].meets_epoch_limit is False
-    # which batches of the curve meet the limit: the larger ones (fewer steps, each closer to full use)
+    # each curve point says whether its batch meets the limit
     assert [p.meets_epoch_limit for p in slow.results[0].curve] == [p.epoch_seconds <= limit
                                                                     for p in slow.results[0].curve]
     assert r.accumulation.global_batch == 1024 and r.accumulation.ranks == 8
