@@ -1,21 +1,91 @@
-"""The batchfit service. Until the service issue lands it answers liveness only."""
+"""The batchfit service (``uvicorn app.main:app``, or ``batchfit serve``).
+
+Estimates run in worker processes (app/pool.py); results are cached
+(app/cache.py); errors are application/problem+json (app/errors.py).
+"""
 
 from __future__ import annotations
 
-from fastapi import FastAPI
+import time
+import uuid
+from contextlib import asynccontextmanager
 
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+
+from app import logs
+from app.auth import Unauthorized, check_key
+from app.cache import RedisCache, SingleFlight, SQLiteCache
+from app.errors import on_spec_error, on_validation_error, problem
+from app.metrics import Metrics
+from app.pool import Pool
+from app.routes import router
+from app.settings import Settings, get_settings
 from estimator import __version__
+from estimator.errors import SpecError
+
+OPEN = {"/healthz", "/readyz"}
+ROUTES = {"/estimate", "/gpus", "/models", "/healthz", "/readyz", "/metrics", "/docs", "/openapi.json"}
 
 
-def create_app() -> FastAPI:
-    """The FastAPI application (``uvicorn app.main:app``)."""
-    application = FastAPI(title="batchfit", version=__version__)
+def create_app(settings: Settings | None = None, *, start_workers: bool = True) -> FastAPI:
+    """The FastAPI application; ``start_workers=False`` leaves the pool to the caller (tests)."""
+    settings = settings or get_settings()
 
-    @application.get("/healthz", summary="Liveness")
-    def healthz() -> dict[str, str]:
-        return {"status": "ok"}
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        logs.setup()
+        if settings.redis_url:
+            app.state.cache = RedisCache(settings.redis_url, settings.cache_ttl_s)
+        elif settings.cache_path:
+            app.state.cache = SQLiteCache(settings.cache_path, settings.cache_ttl_s)
+        app.state.pool = Pool(settings)
+        if start_workers:
+            await app.state.pool.start()
+        logs.log("started", workers=settings.workers, cache=type(app.state.cache).__name__)
+        yield
+        await app.state.pool.stop()
+        if app.state.cache:
+            app.state.cache.close()
 
-    return application
+    app = FastAPI(title="batchfit", version=__version__, lifespan=lifespan,
+                  description="GPU memory of a PyTorch training step and the largest batch that fits, "
+                              "predicted without a GPU.")
+    app.state.settings = settings
+    app.state.metrics = Metrics()
+    app.state.flights = SingleFlight()
+    app.state.cache = None
+    app.state.pool = None
+    app.add_exception_handler(SpecError, on_spec_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+
+    @app.middleware("http")
+    async def around(request: Request, call_next):
+        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        route = request.url.path
+        t0 = time.perf_counter()
+        if route not in OPEN and route not in ("/docs", "/openapi.json"):
+            try:
+                check_key(request, settings)
+            except Unauthorized as exc:
+                response = problem(401, "unauthorized", "An API key is required", str(exc),
+                                   headers={"WWW-Authenticate": "Bearer"})
+                return _finish(app, response, route, rid, t0)
+        response = await call_next(request)
+        return _finish(app, response, route, rid, t0)
+
+    app.include_router(router)
+    return app
+
+
+def _finish(app: FastAPI, response, route: str, rid: str, t0: float):
+    dt = time.perf_counter() - t0
+    known = route if route in ROUTES else "(other)"  # bounded label values
+    app.state.metrics.requests.labels(known, str(response.status_code)).inc()
+    app.state.metrics.latency.labels(known).observe(dt)
+    response.headers["X-Request-ID"] = rid
+    logs.log("request", request_id=rid, route=route, status=response.status_code, seconds=round(dt, 4))
+    return response
 
 
 app = create_app()

@@ -1,0 +1,25 @@
+"""Prometheus metrics, one registry per app (tests build many apps)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("batchfit_requests_total", "HTTP requests", ["route", "status"],
+                                registry=self.registry)
+        self.latency = Histogram("batchfit_request_seconds", "HTTP request latency", ["route"],
+                                 registry=self.registry)
+        self.estimate = Histogram("batchfit_estimate_seconds", "estimate time in a worker",
+                                  buckets=(0.5, 1, 2, 5, 10, 20, 40, 80, 160, 320), registry=self.registry)
+        self.cache_hits = Counter("batchfit_cache_hits_total", "estimates answered from the cache",
+                                  registry=self.registry)
+        self.cache_misses = Counter("batchfit_cache_misses_total", "estimates computed", registry=self.registry)
+        self.workers_busy = Gauge("batchfit_workers_busy", "workers running an estimate", registry=self.registry)
+        self.worker_restarts = Counter("batchfit_worker_restarts_total", "workers killed at a limit and replaced",
+                                       registry=self.registry)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,139 @@
+"""A pool of estimate worker processes: time and memory limits, a bounded queue, self-healing.
+
+The event loop never blocks: waiting on a worker happens in a thread. A
+worker past ``request_timeout_s`` or ``worker_memory_bytes`` (its RSS, read
+from /proc) is killed and replaced; the caller gets ``LimitExceeded``.
+When every worker is busy and ``queue_size`` callers already wait, ``Busy``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import multiprocessing as mp
+import os
+import time
+from typing import Any
+
+from app.settings import Settings
+from app.worker import serve
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+class Busy(Exception):
+    """Every worker is busy and the queue is full."""
+
+
+class LimitExceeded(Exception):
+    """A worker ran past a limit and was replaced; ``limit`` is 'time' or 'memory'."""
+
+    def __init__(self, limit: str, detail: str) -> None:
+        self.limit = limit
+        super().__init__(detail)
+
+
+def _rss(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+class _Worker:
+    def __init__(self, ctx) -> None:
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=serve, args=(child,), daemon=True)
+        self.process.start()
+        child.close()
+
+    def wait_ready(self, timeout: float) -> None:
+        if not self.conn.poll(timeout):
+            raise RuntimeError("worker did not start")
+        self.conn.recv()
+
+    def call(self, job_id: int, body: Any, timeout: float, memory: int) -> tuple:
+        self.conn.send((job_id, body))
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.conn.poll(0.1):
+                reply = self.conn.recv()
+                return reply[1], reply[2]
+            if not self.process.is_alive():
+                raise LimitExceeded("crash", "the estimate's worker died")
+            if time.monotonic() > deadline:
+                raise LimitExceeded("time", f"the estimate ran past the service's time limit of {timeout:g} s")
+            if _rss(self.process.pid) > memory:
+                raise LimitExceeded("memory", f"the estimate passed the service's memory limit of "
+                                              f"{memory // 2**20} MiB")
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join(5)
+        self.conn.close()
+
+    def stop(self) -> None:
+        try:
+            self.conn.send(None)
+        except (OSError, ValueError):
+            pass
+        self.process.join(5)
+        if self.process.is_alive():
+            self.process.kill()
+
+
+class Pool:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._ctx = mp.get_context("spawn")  # no fork after torch is imported
+        self._idle: asyncio.Queue[_Worker] = asyncio.Queue()
+        self._workers: list[_Worker] = []
+        self._waiting = 0
+        self._ids = itertools.count()
+        self.ready = False
+        self.restarts = 0
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        workers = [_Worker(self._ctx) for _ in range(self.settings.workers)]
+        await asyncio.gather(*(loop.run_in_executor(None, w.wait_ready, 300.0) for w in workers))
+        for w in workers:
+            self._workers.append(w)
+            self._idle.put_nowait(w)
+        self.ready = True
+
+    async def stop(self) -> None:
+        self.ready = False
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(*(loop.run_in_executor(None, w.stop) for w in self._workers))
+        self._workers.clear()
+
+    @property
+    def busy(self) -> int:
+        return len(self._workers) - self._idle.qsize()
+
+    async def run(self, body: Any) -> tuple[str, Any]:
+        """(kind, payload) from a worker; ``Busy`` or ``LimitExceeded`` otherwise."""
+        if self._idle.empty() and self._waiting >= self.settings.queue_size:
+            raise Busy()
+        self._waiting += 1
+        try:
+            worker = await self._idle.get()
+        finally:
+            self._waiting -= 1
+        loop = asyncio.get_running_loop()
+        s = self.settings
+        try:
+            return await loop.run_in_executor(None, worker.call, next(self._ids), body, s.request_timeout_s,
+                                              s.worker_memory_bytes)
+        except LimitExceeded:
+            self._workers.remove(worker)
+            await loop.run_in_executor(None, worker.kill)
+            worker = _Worker(self._ctx)
+            await loop.run_in_executor(None, worker.wait_ready, 300.0)
+            self._workers.append(worker)
+            self.restarts += 1
+            raise
+        finally:
+            self._idle.put_nowait(worker)

@@ -1,0 +1,132 @@
+"""The routes: POST /estimate, GET /gpus, /models, /healthz, /readyz, /metrics."""
+
+from __future__ import annotations
+
+import time
+from functools import lru_cache
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body, Request
+from fastapi.responses import JSONResponse, Response
+
+from app.cache import cache_key
+from app.errors import problem, spec_problem
+from app.pool import Busy, LimitExceeded
+from estimator.errors import SpecError
+from estimator.gpus import CATALOG, CATALOG_VERSION
+from estimator.spec import EstimateRequest, EstimateResponse, parse_request
+
+router = APIRouter()
+
+EXAMPLE = {
+    "model": {"source": "torchvision", "name": "resnet50", "kwargs": {"num_classes": 10}},
+    "input": {"image_size": [3, 224, 224]},
+    "training": {"precision": "amp-bf16", "optimizer": {"name": "adamw", "foreach": None, "fused": None},
+                 "gradient_checkpointing": False, "grad_accumulation_steps": 1},
+    "gpus": ["A100-80GB", "H100-80GB"],
+    "batch_size": None,
+}
+ERRORS = {422: {"description": "a field batchfit cannot use (application/problem+json)"},
+          401: {"description": "missing or wrong API key"},
+          503: {"description": "every worker busy and the queue full (Retry-After)"}}
+
+
+@router.post("/estimate", response_model=EstimateResponse, responses=ERRORS,
+             summary="Max batch and memory per GPU for a training job")
+async def post_estimate(
+    request: Request,
+    body: Annotated[EstimateRequest, Body(openapi_examples={"resnet50": {"summary": "ResNet-50 on two cards",
+                                                                          "value": EXAMPLE}})],
+) -> Any:
+    app = request.app
+    try:
+        normalized = parse_request(body.model_dump(mode="json"), allow_local_code=False)
+    except SpecError as exc:
+        return spec_problem(exc)
+    data = normalized.model_dump(mode="json")
+    key = cache_key(data)
+    hit = app.state.cache.get(key) if app.state.cache else None
+    if hit is not None:
+        app.state.metrics.cache_hits.inc()
+        return JSONResponse(hit, headers={"X-Batchfit-Cache": "hit"})
+
+    async def compute():
+        app.state.metrics.cache_misses.inc()
+        t0 = time.perf_counter()
+        app.state.metrics.workers_busy.inc()
+        try:
+            return await app.state.pool.run(data)
+        finally:
+            app.state.metrics.workers_busy.dec()
+            app.state.metrics.estimate.observe(time.perf_counter() - t0)
+
+    try:
+        kind, payload = await app.state.flights.run(key, compute)
+    except Busy:
+        s = app.state.settings
+        return problem(503, "busy", "Every worker is busy", f"{s.workers} workers busy and {s.queue_size} requests "
+                       "waiting; retry later", headers={"Retry-After": str(s.retry_after_s)})
+    except LimitExceeded as exc:
+        app.state.metrics.worker_restarts.inc()
+        return problem(422, f"{exc.limit}-limit", "The estimate ran past a limit of the service", str(exc))
+    if kind == "ok":
+        if app.state.cache:
+            app.state.cache.set(key, payload)
+        return JSONResponse(payload, headers={"X-Batchfit-Cache": "miss"})
+    if kind == "spec":
+        field, value, expected = payload
+        return spec_problem(SpecError(field, value, expected))
+    if kind == "simulation":
+        message, where = payload
+        return problem(422, "simulation", "The model could not be simulated", message, where=where)
+    if kind == "memory":
+        return problem(422, "memory-limit", "The estimate ran past a limit of the service", payload)
+    return problem(500, "internal", "batchfit failed", payload)
+
+
+@router.get("/gpus", summary="The GPU catalog")
+def get_gpus() -> dict:
+    return {"catalog": CATALOG_VERSION, "gpus": [
+        {"name": g.name, "memory_bytes": g.memory_bytes, "compute_capability": g.compute_capability,
+         "context_bytes": g.context_bytes, "peak_tflops_bf16": g.peak_tflops_bf16,
+         "peak_tflops_fp32": g.peak_tflops_fp32, "description": g.description} for g in CATALOG.values()]}
+
+
+@lru_cache(maxsize=1)
+def _models() -> dict:
+    import timm
+    import torchvision.models as tvm
+
+    from estimator.models.transformers_models import _AUTO, presets
+
+    return {
+        "torchvision": {f: tvm.list_models(module=m) for f, m in (
+            ("classification", tvm), ("segmentation", tvm.segmentation), ("video", tvm.video),
+            ("detection", tvm.detection))},
+        "timm": {"names": timm.list_models()},
+        "transformers": {"presets": sorted(presets()), "tasks": list(_AUTO), "attn_implementation": ["eager", "sdpa"]},
+    }
+
+
+@router.get("/models", summary="What each model source offers")
+def get_models() -> dict:
+    return _models()
+
+
+@router.get("/healthz", summary="Liveness")
+def healthz() -> dict:
+    return {"status": "ok"}
+
+
+@router.get("/readyz", summary="Workers and cache ready", responses={503: {"description": "not ready"}})
+def readyz(request: Request) -> Any:
+    app = request.app
+    pool_ok = app.state.pool is not None and app.state.pool.ready
+    cache_ok = app.state.cache is None or app.state.cache.ping()
+    body = {"workers": pool_ok, "cache": cache_ok}
+    return JSONResponse(body, status_code=200 if pool_ok and cache_ok else 503)
+
+
+@router.get("/metrics", summary="Prometheus metrics")
+def metrics(request: Request) -> Response:
+    return Response(request.app.state.metrics.render(), media_type="text/plain; version=0.0.4")

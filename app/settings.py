@@ -1,0 +1,37 @@
+"""Service settings, from the environment (prefix ``BATCHFIT_``) or defaults.
+
+>>> Settings(workers=1).request_timeout_s
+120.0
+
+Tests override ``get_settings`` (FastAPI dependency) or pass a ``Settings``
+to ``create_app``.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="BATCHFIT_", extra="ignore")
+
+    workers: int = Field(2, ge=1, le=64, description="estimate worker processes")
+    queue_size: int = Field(16, ge=0, le=10_000, description="requests that may wait for a worker")
+    request_timeout_s: float = Field(120.0, gt=0, description="a running estimate is killed after this")
+    worker_memory_bytes: int = Field(8 * 2**30, ge=2**28, description="a worker over this RSS is killed")
+    cache_path: str = Field(".batchfit-cache.sqlite", description="SQLite result cache ('' disables)")
+    redis_url: str | None = Field(None, description="use Redis for the cache instead of SQLite")
+    cache_ttl_s: int = Field(7 * 24 * 3600, ge=0)
+    api_keys: str = Field("", description="comma-separated keys; empty: no auth")
+    retry_after_s: int = Field(5, ge=1, description="Retry-After when the queue is full")
+
+    def keys(self) -> list[str]:
+        return [k.strip() for k in self.api_keys.split(",") if k.strip()]
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return Settings()
