@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import Request
+from pydantic import BaseModel
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
@@ -12,6 +13,26 @@ from estimator.errors import SpecError
 from estimator.spec import _expected, _path
 
 PROBLEM = "application/problem+json"
+
+
+class Problem(BaseModel):
+    """RFC 9457 problem details; request errors add ``field``, ``value`` and ``expected``."""
+
+    type: str
+    title: str
+    status: int
+    detail: str
+    field: str | None = None
+    value: Any = None
+    expected: str | None = None
+    where: str | None = None
+
+
+def problem_responses(*codes: int) -> dict:
+    text = {401: "missing or wrong API key", 422: "a field batchfit cannot use, a model that cannot be simulated, "
+            "or an estimate past the service's limits", 503: "every worker busy and the queue full (Retry-After)",
+            500: "a batchfit defect (never for bad input)"}
+    return {c: {"model": Problem, "description": text[c], "content": {PROBLEM: {}}} for c in codes}
 
 
 def problem(status: int, kind: str, title: str, detail: str, headers: dict | None = None, **extra: Any) -> JSONResponse:

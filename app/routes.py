@@ -10,7 +10,7 @@ from fastapi import APIRouter, Body, Request
 from fastapi.responses import JSONResponse, Response
 
 from app.cache import cache_key
-from app.errors import problem, spec_problem
+from app.errors import problem, problem_responses, spec_problem
 from app.pool import Busy, LimitExceeded
 from estimator.errors import SpecError
 from estimator.gpus import CATALOG, CATALOG_VERSION
@@ -26,9 +26,7 @@ EXAMPLE = {
     "gpus": ["A100-80GB", "H100-80GB"],
     "batch_size": None,
 }
-ERRORS = {422: {"description": "a field batchfit cannot use (application/problem+json)"},
-          401: {"description": "missing or wrong API key"},
-          503: {"description": "every worker busy and the queue full (Retry-After)"}}
+ERRORS = problem_responses(401, 422, 503)
 
 
 @router.post("/estimate", response_model=EstimateResponse, responses=ERRORS,
@@ -84,7 +82,7 @@ async def post_estimate(
     return problem(500, "internal", "batchfit failed", payload)
 
 
-@router.get("/gpus", summary="The GPU catalog")
+@router.get("/gpus", summary="The GPU catalog", responses=problem_responses(401))
 def get_gpus() -> dict:
     return {"catalog": CATALOG_VERSION, "gpus": [
         {"name": g.name, "memory_bytes": g.memory_bytes, "compute_capability": g.compute_capability,
@@ -108,7 +106,7 @@ def _models() -> dict:
     }
 
 
-@router.get("/models", summary="What each model source offers")
+@router.get("/models", summary="What each model source offers", responses=problem_responses(401))
 def get_models() -> dict:
     return _models()
 
@@ -127,6 +125,8 @@ def readyz(request: Request) -> Any:
     return JSONResponse(body, status_code=200 if pool_ok and cache_ok else 503)
 
 
-@router.get("/metrics", summary="Prometheus metrics")
+@router.get("/metrics", summary="Prometheus metrics", response_class=Response,
+            responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"},
+                       **problem_responses(401)})
 def metrics(request: Request) -> Response:
     return Response(request.app.state.metrics.render(), media_type="text/plain; version=0.0.4")
