@@ -130,3 +130,26 @@ def test_openapi_has_examples(client) -> None:
     body = schema["paths"]["/estimate"]["post"]["requestBody"]["content"]["application/json"]
     assert body["examples"]["resnet50"]["value"]["model"]["name"] == "resnet50"
     assert "EstimateResponse" in schema["components"]["schemas"]
+
+
+def test_worker_past_the_memory_limit_is_replaced() -> None:
+    # 256 MiB: less than a worker holds once torch is imported, so the first estimate passes it
+    app = create_app(Settings(workers=1, cache_path="", worker_memory_bytes=2**28))
+    with TestClient(app) as c:
+        r = c.post("/estimate", json=SMALL)
+        assert r.status_code == 422 and r.json()["type"].endswith("/memory-limit")
+        assert "256 MiB" in r.json()["detail"]
+        assert c.get("/healthz").status_code == 200
+        assert "batchfit_worker_restarts_total 1.0" in c.get("/metrics").text
+
+
+def test_logs_are_json_lines_with_the_request_id() -> None:
+    import json
+    import logging
+
+    from app.logs import JSONFormatter
+
+    record = logging.LogRecord("batchfit", logging.INFO, __file__, 1, "request", None, None)
+    record.fields = {"request_id": "abc", "route": "/estimate", "status": 200}
+    doc = json.loads(JSONFormatter().format(record))
+    assert doc["msg"] == "request" and doc["request_id"] == "abc" and doc["status"] == 200
