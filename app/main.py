@@ -6,6 +6,7 @@ Estimates run in worker processes (app/pool.py); results are cached
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -54,6 +55,7 @@ def create_app(settings: Settings | None = None, *, start_workers: bool = True) 
     app.state.settings = settings
     app.state.metrics = Metrics()
     app.state.flights = SingleFlight()
+    app.state.gpu_lock = asyncio.Lock()  # one validation at a time on this node's GPU
     app.state.cache = None
     app.state.pool = None
     app.add_exception_handler(SpecError, on_spec_error)

@@ -42,6 +42,8 @@ async def post_estimate(
     except SpecError as exc:
         return spec_problem(exc)
     data = normalized.model_dump(mode="json")
+    if normalized.validate_step:
+        return await _validate(app, data)
     key = cache_key(data)
     hit = app.state.cache.get(key) if app.state.cache else None
     if hit is not None:
@@ -71,6 +73,28 @@ async def post_estimate(
         if app.state.cache:
             app.state.cache.set(key, payload)
         return JSONResponse(payload, headers={"X-Batchfit-Cache": "miss"})
+    return _reply_problem(kind, payload)
+
+
+async def _validate(app, data: dict) -> Any:
+    """One validation at a time on this node's GPU; never cached (it is a measurement)."""
+    async with app.state.gpu_lock:
+        try:
+            kind, payload = await app.state.pool.run(data)
+        except Busy:
+            s = app.state.settings
+            return problem(503, "busy", "Every worker is busy", "retry later",
+                           headers={"Retry-After": str(s.retry_after_s)})
+        except LimitExceeded as exc:
+            return problem(422, f"{exc.limit}-limit", "The estimate ran past a limit of the service", str(exc))
+    if kind == "ok":
+        return JSONResponse(payload)
+    return _reply_problem(kind, payload)
+
+
+def _reply_problem(kind: str, payload: Any) -> JSONResponse:
+    if kind == "nogpu":
+        return problem(503, "no-gpu", "No CUDA GPU on this node", payload)
     if kind == "spec":
         field, value, expected = payload
         return spec_problem(SpecError(field, value, expected))

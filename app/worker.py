@@ -22,6 +22,7 @@ def serve(conn: Connection) -> None:
     from estimator.errors import SimulationError, SpecError
     from estimator.estimate import estimate
     from estimator.spec import parse_request
+    from estimator.validate import NoGPUError
 
     conn.send(("ready", os.getpid()))
     while True:
@@ -33,10 +34,20 @@ def serve(conn: Connection) -> None:
             return
         job_id, body = message
         try:
-            response = estimate(parse_request(body, allow_local_code=False))
-            reply: tuple[Any, ...] = (job_id, "ok", json.loads(response.model_dump_json()))
+            request = parse_request(body, allow_local_code=False)
+            if request.validate_step:
+                from estimator.validate import as_json, validate
+
+                response, validation = validate(request)
+                reply: tuple[Any, ...] = (job_id, "ok", {**json.loads(response.model_dump_json()),
+                                                         "validation": as_json(validation)})
+            else:
+                response = estimate(request)
+                reply = (job_id, "ok", json.loads(response.model_dump_json()))
         except SpecError as exc:
             reply = (job_id, "spec", (exc.field, _jsonable(exc.value), exc.expected))
+        except NoGPUError as exc:
+            reply = (job_id, "nogpu", str(exc))
         except SimulationError as exc:
             reply = (job_id, "simulation", (str(exc), exc.where))
         except MemoryError:

@@ -14,6 +14,7 @@ import json
 import sys
 
 from estimator.errors import BatchfitError, SpecError
+from estimator.validate import NoGPUError
 
 GIB = 2**30
 
@@ -89,6 +90,29 @@ def _profile(args: argparse.Namespace) -> int:
     with open(args.output, "w", encoding="utf-8") as f:
         json.dump(profile.to_json(), f)
     print(f"wrote {args.output}: {profile.model}, attention backends {', '.join(profile.steps) or 'none'}")
+    return 0
+
+
+def _validate(args: argparse.Namespace) -> int:
+    from estimator.validate import as_json, validate
+
+    request = _request_from_args(args)
+    response, v = validate(request, batch_size=args.batch_size)
+    if args.json:
+        print(json.dumps({**json.loads(response.model_dump_json()), "validation": as_json(v)}, indent=2))
+        return 0 if not v.measured.oom and v.measured.error is None else 5
+    m = v.measured
+    print(f"{m.gpu} (driver {m.driver}, torch {m.torch}, CUDA {m.cuda}), batch {m.batch_size}, "
+          f"measured context {m.context_bytes / 2**20:.0f} MiB")
+    for name, predicted in v.predicted.items():
+        err = v.errors.get(name)
+        real = {"allocated_peak_bytes": m.allocated_peak_bytes, "reserved_peak_bytes": m.reserved_peak_bytes,
+                "device_peak_bytes": m.device_used_bytes + m.context_bytes}[name]
+        print(f"  {name:<22} predicted {predicted / GIB:8.2f} GiB  measured {real / GIB:8.2f} GiB  "
+              f"error {'n/a' if err is None else f'{err:+.1%}'}")
+    if m.oom or m.error:
+        print(f"error: {m.error}", file=sys.stderr)
+        return 5
     return 0
 
 
@@ -173,6 +197,12 @@ def main(argv: list[str] | None = None) -> int:
     est.add_argument("--model", metavar="PACKAGE.MODULE:FACTORY",
                      help="a local nn.Module factory (imported here; replaces the spec's model)")
     est.set_defaults(func=_estimate)
+    val = sub.add_parser("validate", help="estimate, then run one real CUDA step and compare (needs a GPU)")
+    val.add_argument("--spec", required=True, help="request JSON file, or - for stdin")
+    val.add_argument("--batch-size", type=int, help="the batch to run (default: the first card's max)")
+    val.add_argument("--json", action="store_true")
+    val.add_argument("--model", metavar="PACKAGE.MODULE:FACTORY", help="a local nn.Module factory")
+    val.set_defaults(func=_validate)
     prof = sub.add_parser("profile", help="write the portable profile (affine trace) of a request's model")
     prof.add_argument("--spec", required=True, help="request JSON file, or - for stdin")
     prof.add_argument("-o", "--output", required=True, help="where to write the profile JSON")
@@ -188,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     except SpecError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except NoGPUError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 4
     except BatchfitError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 3

@@ -144,7 +144,7 @@ class PlannerSpec(BaseModel):
 
 
 class EstimateRequest(BaseModel):
-    model_config = _STRICT
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
     model: ModelSpec
     input: InputSpec = Field(default_factory=InputSpec)
     training: TrainingSpec = Field(default_factory=TrainingSpec)
@@ -152,6 +152,8 @@ class EstimateRequest(BaseModel):
         None, min_length=1, max_length=64, description="catalog names or custom cards; null: the whole catalog")
     batch_size: int | None = Field(None, ge=1, le=MAX_BATCH, description="also report memory at exactly this batch")
     planner: PlannerSpec = Field(default_factory=PlannerSpec)
+    validate_step: bool = Field(False, alias="validate", description="on a GPU node: also run one real CUDA step "
+                                "at the first card's max batch and report it measured (503 without a GPU)")
 
 
 # --- response ---------------------------------------------------------------

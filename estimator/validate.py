@@ -1,0 +1,244 @@
+"""One real CUDA training step, measured, compared with the prediction.
+
+>>> validation = validate(request)                                       # doctest: +SKIP
+>>> validation.errors["allocated_peak_bytes"]                            # measured vs predicted
+
+The step runs in a subprocess (``python -m estimator.validate``), so an
+out-of-memory error or a crashed driver leaves the caller healthy: the model
+is built for real (random init, no downloads), the request's recipe runs for
+3 iterations at the batch, and the child reports
+``torch.cuda.max_memory_allocated()``, ``max_memory_reserved()`` and the
+device's used memory through NVML, against a baseline taken before the model
+was built (after CUDA was initialized: that difference is the context).
+Sources of measurements are pluggable (``MeasurementSource``) so the logic
+is tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+from estimator.errors import BatchfitError
+
+ITERATIONS = 3
+
+
+class NoGPUError(BatchfitError, RuntimeError):
+    """No CUDA GPU on this machine: a validation cannot run."""
+
+    def __init__(self) -> None:
+        super().__init__("no CUDA GPU is available on this machine: validation needs one")
+
+
+@dataclass
+class Measurement:
+    """What one real step used; ``oom`` when it ran out of memory (then the peaks are what it reached)."""
+
+    batch_size: int
+    allocated_peak_bytes: int = 0
+    reserved_peak_bytes: int = 0
+    device_used_bytes: int = 0     # NVML used during the step minus before the model (the process's share)
+    context_bytes: int = 0         # NVML used after CUDA init minus before it
+    gpu: str = ""
+    driver: str = ""
+    torch: str = ""
+    cuda: str = ""
+    oom: bool = False
+    error: str | None = None
+
+
+@dataclass
+class Validation:
+    """Measured values and relative errors ``(predicted - measured) / measured`` per field."""
+
+    measured: Measurement
+    predicted: dict[str, int]
+    errors: dict[str, float | None] = field(default_factory=dict)
+
+
+class MeasurementSource(Protocol):
+    def measure(self, request_json: dict[str, Any], batch_size: int) -> Measurement: ...
+
+
+def compare(predicted: dict[str, int], measured: Measurement) -> Validation:
+    """Relative error for each predicted field that has a measured counterpart.
+
+    ``device_peak_bytes`` is compared with NVML's used memory plus the
+    measured context (what nvidia-smi shows for the process).
+    """
+    pairs = {
+        "allocated_peak_bytes": measured.allocated_peak_bytes,
+        "reserved_peak_bytes": measured.reserved_peak_bytes,
+        "device_peak_bytes": measured.device_used_bytes + measured.context_bytes
+        if measured.device_used_bytes else 0,
+    }
+    errors: dict[str, float | None] = {}
+    for name, real in pairs.items():
+        guess = predicted.get(name)
+        errors[name] = None if not real or guess is None else (guess - real) / real
+    return Validation(measured, dict(predicted), errors)
+
+
+def cuda_available() -> bool:
+    import torch
+
+    try:
+        return torch.cuda.is_available() and torch.cuda.device_count() > 0
+    except RuntimeError:
+        return False
+
+
+class CudaSubprocess:
+    """Measures in a child process on this machine's first GPU."""
+
+    def __init__(self, timeout_s: float = 900.0) -> None:
+        self.timeout_s = timeout_s
+
+    def measure(self, request_json: dict[str, Any], batch_size: int) -> Measurement:
+        if not cuda_available():
+            raise NoGPUError()
+        proc = subprocess.run([sys.executable, "-m", "estimator.validate"], input=json.dumps(
+            {"request": request_json, "batch_size": batch_size}), capture_output=True, text=True,
+            timeout=self.timeout_s)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        if not lines:
+            return Measurement(batch_size, error=f"the measuring process failed (exit {proc.returncode}): "
+                                                 f"{proc.stderr.strip()[-500:]}")
+        return Measurement(**json.loads(lines[-1]))
+
+
+def validate(request, source: MeasurementSource | None = None, batch_size: int | None = None):
+    """Estimate ``request``, run one real step at ``batch_size`` (default: the first card's max), compare.
+
+    Returns ``(EstimateResponse, Validation)``; raises ``NoGPUError`` without a GPU.
+    """
+    from estimator.estimate import cards_of, estimate
+    from estimator.models import build
+
+    cards_of(request)
+    build(request)  # a bad request fails as a bad request first, GPU or not
+    source = source or CudaSubprocess()
+    if isinstance(source, CudaSubprocess):
+        if not cuda_available():
+            raise NoGPUError()
+        if request.gpus is None:  # predict for the card that will measure
+            request = request.model_copy(update={"gpus": [local_card()]})
+    response = estimate(request)
+    first = response.results[0]
+    batch = batch_size or request.batch_size or first.max_batch_size or first.min_batch_size
+    if batch != first.memory.batch_size:
+        from estimator.spec import parse_request
+
+        again = parse_request({**request.model_dump(mode="json"), "batch_size": batch})
+        response = estimate(again)
+        first = response.results[0]
+    predicted = {k: getattr(first.memory, k) for k in ("allocated_peak_bytes", "reserved_peak_bytes",
+                                                        "device_peak_bytes")}
+    measured = source.measure(request.model_dump(mode="json"), batch)
+    return response, compare(predicted, measured)
+
+
+def local_card():
+    """This machine's first GPU: its catalog entry when one matches, else a custom card from NVML."""
+    import pynvml
+    import torch
+
+    from estimator.gpus import CATALOG
+    from estimator.spec import CustomGPUSpec
+
+    pynvml.nvmlInit()
+    handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+    total = pynvml.nvmlDeviceGetMemoryInfo(handle).total
+    name = pynvml.nvmlDeviceGetName(handle)
+    name = name if isinstance(name, str) else name.decode()
+    capability = torch.cuda.get_device_capability(0)
+    for card in CATALOG.values():
+        if card.memory_bytes == total and card.capability == capability and card.description in name:
+            return card.name
+    return CustomGPUSpec(name=name[:64], memory_bytes=total, compute_capability=f"{capability[0]}.{capability[1]}")
+
+
+def as_json(v: Validation) -> dict[str, Any]:
+    return {"measured": asdict(v.measured), "predicted": v.predicted, "errors": v.errors}
+
+
+# --- the child process --------------------------------------------------------
+
+def _nvml_used() -> tuple[int, str, str]:
+    import pynvml
+
+    pynvml.nvmlInit()
+    handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+    used = pynvml.nvmlDeviceGetMemoryInfo(handle).used
+    name = pynvml.nvmlDeviceGetName(handle)
+    driver = pynvml.nvmlSystemGetDriverVersion()
+    return used, name if isinstance(name, str) else name.decode(), driver if isinstance(driver, str) else driver.decode()
+
+
+def _child(doc: dict[str, Any]) -> Measurement:
+    import torch
+
+    from estimator.estimate import recipe_of
+    from estimator.models import build
+    from estimator.optimizers import build_optimizer
+    from estimator.spec import parse_request
+
+    request = parse_request(doc["request"])
+    batch = int(doc["batch_size"])
+    before_init, gpu, driver = _nvml_used()
+    torch.cuda.init()
+    torch.empty(1, device="cuda")  # the context and torch's kernels, as the catalog's context_bytes counts them
+    torch.cuda.synchronize()
+    baseline, _, _ = _nvml_used()
+    m = Measurement(batch, gpu=gpu, driver=driver, torch=torch.__version__, cuda=str(torch.version.cuda),
+                    context_bytes=baseline - before_init)
+    torch.cuda.reset_peak_memory_stats()
+    built = build(request)
+    recipe = recipe_of(request)
+    try:
+        with torch.device("cuda"):
+            model = built.factory()
+        if recipe.precision == "bf16":
+            model = model.to(torch.bfloat16)
+        model.train()
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = build_optimizer(recipe, params)
+        scaler = torch.amp.GradScaler("cuda") if recipe.uses_grad_scaler else None
+        peak_used = 0
+        for _ in range(ITERATIONS):
+            optimizer.zero_grad(set_to_none=recipe.zero_grad_set_to_none)
+            for _ in range(recipe.grad_accumulation_steps):
+                inputs, targets = built.batch_factory(batch, torch.device("cuda"))
+                with torch.autocast("cuda", dtype=recipe.autocast_dtype or torch.float32,
+                                    enabled=recipe.autocast_dtype is not None):
+                    out = model(**inputs) if isinstance(inputs, dict) else (
+                        model(*inputs) if isinstance(inputs, (tuple, list)) else model(inputs))
+                    loss = built.loss_fn(out, targets)
+                del out
+                if recipe.grad_accumulation_steps > 1:
+                    loss = loss / recipe.grad_accumulation_steps
+                (scaler.scale(loss) if scaler else loss).backward()
+                del loss, inputs, targets
+            if scaler:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            torch.cuda.synchronize()
+            peak_used = max(peak_used, _nvml_used()[0])
+    except torch.cuda.OutOfMemoryError as exc:
+        m.oom, m.error = True, f"out of memory: {str(exc).splitlines()[0]}"
+        peak_used = _nvml_used()[0]
+    m.allocated_peak_bytes = torch.cuda.max_memory_allocated()
+    m.reserved_peak_bytes = torch.cuda.max_memory_reserved()
+    m.device_used_bytes = peak_used - baseline
+    return m
+
+
+if __name__ == "__main__":
+    measurement = _child(json.loads(sys.stdin.read()))
+    print(json.dumps(asdict(measurement)))
