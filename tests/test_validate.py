@@ -86,3 +86,29 @@ def test_cli_bad_spec_exits_2(tmp_path) -> None:
     spec = tmp_path / "req.json"
     spec.write_text(json.dumps({"model": {"source": "torchvision", "name": "resnet5"}}))
     assert main(["validate", "--spec", str(spec)]) == 2
+
+
+def test_gpu_accuracy_harness_on_this_machine() -> None:
+    bench = Path(__file__).resolve().parents[1] / "bench" / "gpu_accuracy.py"
+    run = lambda *a: subprocess.run([sys.executable, str(bench), *a], capture_output=True, text=True,  # noqa: E731
+                                    timeout=600, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    help_ = run("--help")
+    assert help_.returncode == 0 and "--cpu-selfcheck" in help_.stdout and "--out" in help_.stdout
+    check = run("--cpu-selfcheck")
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "worst error 0.0" in check.stdout
+    if not cuda_available():
+        assert run().returncode == 4  # the GPU suite refuses to run without a GPU
+
+
+def test_gpu_accuracy_suite_covers_the_issue() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from gpu_accuracy import CASES, MAX_BATCH_CASES
+
+    assert len(CASES) >= 20 and len(MAX_BATCH_CASES) == 5
+    names = " ".join(name for name, _, _ in CASES)
+    for needle in ("resnet50", "vit_b_16", "vit_l_16", "convnext", "efficientnet", "bert-base", "bert-large",
+                   "gpt2 ", "gpt2-medium", "llama-1b", "fp32", "amp-bf16", "amp-fp16", "bf16", "sgd", "ckpt"):
+        assert needle in names, needle
+    for name, batch, req in CASES:
+        parse_request(req)  # every case is a valid request
