@@ -218,7 +218,7 @@ def _answer(source: Source, request: EstimateRequest, cards: list[GPU], start: i
     for card in cards:
         best, how = _max_batch(source, card, start, plan.confirm, warnings)
         at = request.batch_size or best or start
-        report = source.report(at, card)
+        report = source.report_fast(at, card)
         if request.batch_size is not None and not report.fits:
             warnings.append(f"batch_size {request.batch_size} does not fit on {card.name}")
         if best is None:
@@ -244,7 +244,7 @@ def _answer(source: Source, request: EstimateRequest, cards: list[GPU], start: i
     # first card's max): peaks a few batches apart move in allocator blocks.
     lo = start + 1
     hi = max(results[0].max_batch_size or 0, lo + CHECK_OFFSET)
-    a, b = source.report(lo, cards[0]), source.report(hi, cards[0])
+    a, b = source.report_fast(lo, cards[0]), source.report_fast(hi, cards[0])
     per_sample = (b.allocated_peak_bytes - a.allocated_peak_bytes) // (hi - lo)
     for item in shown.unsupported:
         warnings.append(f"not modelled: {item}")
@@ -307,7 +307,7 @@ def _advise(result: GPUResult, sim: Source, card: GPU, start: int, request: Esti
             r = replay(profile.events_at(b, card.cublas_workspace_bytes), AllocatorConfig(capacity))
             device = r.reserved_peak + card.context_bytes
         else:
-            device = sim.report(b, card).device_peak_bytes
+            device = sim.report_fast(b, card).device_peak_bytes
         step, epoch = timing(b)
         meets = None if epoch is None or plan.max_epoch_seconds is None else epoch <= plan.max_epoch_seconds
         result.curve.append(CurvePoint(batch_size=b, device_peak_bytes=device, step_seconds=step, epoch_seconds=epoch,

@@ -95,6 +95,22 @@ class Simulator:
     def replay_fits(self, profile: AffineTrace, batch: int, gpu: GPU) -> tuple[bool, int]:
         return replay_fits(profile, batch, gpu, self.reserve_bytes)
 
+    def report_fast(self, batch: int, gpu: GPU) -> MemoryReport:
+        """``report``, from the affine trace when one is known for the card and covers ``batch``
+        (the same events a fresh simulation records: ``fit`` checked it), else simulated."""
+        if (batch, self.signature(gpu)) in self.traces:
+            return self.report(batch, gpu)
+        profile = self.profiles.get(self.signature(gpu))
+        if profile is None or batch < profile.min_batch:
+            return self.report(batch, gpu)
+        probe = self._probe
+
+        def where(k: int) -> tuple[str, str, int]:
+            return profile.phases[k], profile.modules[k], 1
+
+        return report_from_events(profile.events_at(batch, gpu.cublas_workspace_bytes), batch, gpu, where,
+                                  probe.unsupported, probe.assumptions, reserve_bytes=self.reserve_bytes)
+
     def flops(self, batch: int, gpu: GPU, start: int) -> int:
         """FLOPs of one step at ``batch``: affine in the batch, from the traces at ``start`` and ``start + 1``."""
         f1, f2 = self.trace(start, gpu).flops, self.trace(start + 1, gpu).flops
@@ -146,6 +162,8 @@ class ProfileReplayer:
 
         return report_from_events(events, batch, gpu, where, [], self.doc.assumptions,
                                   reserve_bytes=self.reserve_bytes)
+
+    report_fast = report
 
     def flops(self, batch: int, gpu: GPU, start: int) -> int:
         f1, f2 = self.doc.flops[self.signature(gpu)]  # at start + 1 and start + 2
