@@ -19,6 +19,8 @@ from pathlib import Path
 
 import httpx
 
+from app.ready import wait_ready
+
 N = 12
 
 
@@ -78,14 +80,7 @@ if __name__ == "__main__":
                               stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        wait_ready(url)
         asyncio.run(main(url))
     finally:
         server.terminate()

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 
-import httpx
 import pytest
 import schemathesis
 import schemathesis.checks as checks
@@ -19,6 +17,7 @@ import uvicorn
 from hypothesis import HealthCheck, given, settings
 
 from app.main import create_app
+from app.ready import wait_ready
 from app.settings import Settings
 
 ESTIMATE_EXAMPLES = 520
@@ -39,14 +38,7 @@ def base_url(tmp_path_factory):
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
+    wait_ready(url)
     yield url
     server.should_exit = True
     thread.join(30)
