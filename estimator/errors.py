@@ -46,6 +46,7 @@ class SimulationError(BatchfitError, RuntimeError):
     """The training step failed while simulated; ``where`` names phase and module."""
 
     def __init__(self, message: str, where: str) -> None:
+        self.message = message
         self.where = where
         super().__init__(f"{message} (in {where})")
 

@@ -436,7 +436,7 @@ def _call(phase: str, fn, recorder: Recorder):
         while cause.__cause__ is not None and not isinstance(cause, DataDependentError):
             cause = cause.__cause__
         if isinstance(cause, DataDependentError):
-            raise DataDependentError(str(cause).split(" (in ")[0], f"{phase}, module {recorder.module() or '<top>'}") from exc
+            raise DataDependentError(cause.message, f"{phase}, module {recorder.module() or '<top>'}") from exc
         raise SimulationError(
             f"{type(exc).__name__}: {exc}", f"{phase}, module {recorder.module() or '<top>'}"
         ) from exc
