@@ -182,6 +182,7 @@ def _nvml_used() -> tuple[int, str, str]:
 def _child(doc: dict[str, Any]) -> Measurement:
     import torch
 
+    from estimator.checkpointing import enable_checkpointing
     from estimator.estimate import recipe_of
     from estimator.models import build
     from estimator.optimizers import build_optimizer
@@ -205,6 +206,8 @@ def _child(doc: dict[str, Any]) -> Measurement:
         if recipe.precision == "bf16":
             model = model.to(torch.bfloat16)
         model.train()
+        if recipe.gradient_checkpointing:
+            enable_checkpointing(model, recipe.gradient_checkpointing)  # as the simulation does
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = build_optimizer(recipe, params)
         scaler = torch.amp.GradScaler("cuda") if recipe.uses_grad_scaler else None
