@@ -15,7 +15,6 @@ import time
 import torch
 
 from estimator import __version__
-from estimator.allocator import AllocatorConfig, replay
 from estimator.errors import BatchTooSmallError, SpecError
 from estimator.gpus import CATALOG, CATALOG_VERSION, GPU, MIB, custom_gpu, get_gpu
 from estimator.models import BuiltModel, build
@@ -56,6 +55,16 @@ def cards_of(request: EstimateRequest) -> list[GPU]:
     return cards
 
 
+def _simulator(request: EstimateRequest, built: BuiltModel | None, progress: Progress | None):
+    """(cards, built model, simulator, smallest batch, warnings): a bad card name fails before any build."""
+    cards = cards_of(request)
+    recipe = recipe_of(request)
+    built = built or build(request)
+    sim = Simulator(built, recipe, progress, request.planner.reserve_bytes)
+    warnings: list[str] = []
+    return cards, built, sim, _smallest_batch(sim, cards[0], warnings), warnings
+
+
 def _smallest_batch(sim: Simulator, card: GPU, warnings: list[str]) -> int:
     """1, or 2 when batch norm refuses a batch of one (the same on every card)."""
     try:
@@ -86,12 +95,8 @@ def estimate(request: EstimateRequest, *, built: BuiltModel | None = None, progr
     """
     t0 = time.perf_counter()
     request = _override(request, align, confirm, reserve_bytes)
-    cards = cards_of(request)  # cheap checks first: a bad card name fails before any build
-    recipe = recipe_of(request)
-    built = built or build(request)
-    sim = Simulator(built, recipe, progress, request.planner.reserve_bytes)
-    warnings: list[str] = []
-    start = _smallest_batch(sim, cards[0], warnings)
+    cards, built, sim, start, warnings = _simulator(request, built, progress)
+    recipe = sim.recipe
     response = _answer(sim, request, cards, start, built.name, built.parameter_count, built.input,
                        list(built.assumptions), warnings, t0)
     if request.planner.max_seq_len:
@@ -154,11 +159,7 @@ def _seq_limit(request: EstimateRequest) -> int:
 def make_profile(request: EstimateRequest, *, built: BuiltModel | None = None,
                  progress: Progress | None = None) -> PortableProfile:
     """The portable profile of the request's model and recipe, for every attention backend the catalog uses."""
-    cards = cards_of(request)
-    built = built or build(request)
-    sim = Simulator(built, recipe_of(request), progress, request.planner.reserve_bytes)
-    warnings: list[str] = []
-    start = _smallest_batch(sim, cards[0], warnings)
+    cards, built, sim, start, warnings = _simulator(request, built, progress)
     steps, first, flops = {}, {}, {}
     for card in list(CATALOG.values()) + cards:
         key = sim.backend_key(card)
@@ -248,9 +249,7 @@ def _answer(source: Source, request: EstimateRequest, cards: list[GPU], start: i
     per_sample = (b.allocated_peak_bytes - a.allocated_peak_bytes) // (hi - lo)
     for item in shown.unsupported:
         warnings.append(f"not modelled: {item}")
-    breakdown = BreakdownOut(**{k: getattr(shown.breakdown, k) for k in (
-        "parameters", "gradients", "optimizer_state", "activations", "temporaries", "inputs", "buffers", "workspace")},
-        batch_size=shown.batch_size)
+    breakdown = BreakdownOut(**vars(shown.breakdown), batch_size=shown.batch_size)
     return EstimateResponse(
         results=results, breakdown=breakdown, per_sample_bytes=per_sample,
         fixed_bytes=a.allocated_peak_bytes - per_sample * lo, parameter_count=parameter_count,
@@ -262,7 +261,7 @@ def _answer(source: Source, request: EstimateRequest, cards: list[GPU], start: i
 
 
 def _max_batch(sim: Source, card: GPU, start: int, confirm: bool, warnings: list[str]) -> tuple[int | None, str]:
-    capacity = max(card.memory_bytes - card.context_bytes - sim.reserve_bytes, 0)
+    capacity = card.usable_bytes(sim.reserve_bytes)
 
     def full(b: int) -> tuple[bool, int]:
         r = sim.report(b, card)
@@ -300,14 +299,8 @@ def _advise(result: GPUResult, sim: Source, card: GPU, start: int, request: Esti
             return step, None
         return step, -(-plan.dataset_size // (b * ranks)) * step
 
-    profile = sim.profiles.get(sim.signature(card))
     for b in curve_batches(start, best, plan.curve_points) if plan.curve_points else []:
-        if profile is not None and b >= profile.min_batch:
-            capacity = max(card.memory_bytes - card.context_bytes - sim.reserve_bytes, 0)
-            r = replay(profile.events_at(b, card.cublas_workspace_bytes), AllocatorConfig(capacity))
-            device = r.reserved_peak + card.context_bytes
-        else:
-            device = sim.report_fast(b, card).device_peak_bytes
+        device = sim.report_fast(b, card).device_peak_bytes
         step, epoch = timing(b)
         meets = None if epoch is None or plan.max_epoch_seconds is None else epoch <= plan.max_epoch_seconds
         result.curve.append(CurvePoint(batch_size=b, device_peak_bytes=device, step_seconds=step, epoch_seconds=epoch,

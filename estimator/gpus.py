@@ -43,6 +43,10 @@ class GPU:
     def cublas_workspace_bytes(self) -> int:
         return WORKSPACE_SM90 if self.capability >= (9, 0) else WORKSPACE_DEFAULT
 
+    def usable_bytes(self, reserve_bytes: int = 0) -> int:
+        """What the caching allocator may hold: memory less the CUDA context and ``reserve_bytes``."""
+        return max(self.memory_bytes - self.context_bytes - reserve_bytes, 0)
+
     @property
     def compute_capability(self) -> str:
         return f"{self.capability[0]}.{self.capability[1]}"

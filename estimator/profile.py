@@ -43,6 +43,10 @@ class AffineTrace:
             return workspace
         return self.const[i] + self.per_sample[i] * batch
 
+    def where(self, k: int) -> tuple[str, str, int]:
+        """(phase, module, iteration) of allocation ``k``, as a report names the peak (steady state: 1)."""
+        return self.phases[k], self.modules[k], 1
+
     def events_at(self, batch: int, workspace: int) -> list[Event]:
         sizes = [self.nbytes(i, batch, workspace) for i in range(len(self.const))]
         cats = self.categories

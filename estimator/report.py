@@ -120,7 +120,7 @@ def report_from_events(
     unlimited = replay(events, AllocatorConfig(
         None, allocator.max_split_size, allocator.expandable_segments, allocator.garbage_collection_threshold
     ))
-    capacity = max(gpu.memory_bytes - gpu.context_bytes - reserve_bytes, 0)
+    capacity = gpu.usable_bytes(reserve_bytes)
     capped = replay(events, AllocatorConfig(
         capacity, allocator.max_split_size, allocator.expandable_segments, allocator.garbage_collection_threshold
     ))

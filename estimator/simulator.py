@@ -28,20 +28,24 @@ CHECK_OFFSET = 7
 
 def replay_fits(profile: AffineTrace, batch: int, gpu: GPU, reserve_bytes: int) -> tuple[bool, int]:
     """(fits, allocated peak) of the synthesized step at ``batch``: one allocator replay, no simulation."""
-    capacity = max(gpu.memory_bytes - gpu.context_bytes - reserve_bytes, 0)
-    r = replay(profile.events_at(batch, gpu.cublas_workspace_bytes), AllocatorConfig(capacity))
+    r = replay(profile.events_at(batch, gpu.cublas_workspace_bytes), AllocatorConfig(gpu.usable_bytes(reserve_bytes)))
     return r.fits, r.allocated_peak
 
 
-class Simulator:
-    can_confirm = True
+def backends_key(calls: list[SdpaCall], gpu: GPU) -> str:
+    """The attention backends a step's SDPA calls get on ``gpu``, comma-joined ('' without SDPA)."""
+    return ",".join(backend_for(c, gpu.capability).name for c in calls)
 
+
+class Simulator:
     """Full simulations of one model and recipe, shared between cards that simulate alike.
 
     A trace depends on the card only through the attention backends its
     SDPA calls get and the cuBLAS workspace size, unless the step asked
     torch.cuda about the card (then it is the card's own).
     """
+
+    can_confirm = True
 
     def __init__(self, built: BuiltModel, recipe: Recipe, progress: Progress | None = None,
                  reserve_bytes: int = 0) -> None:
@@ -55,12 +59,9 @@ class Simulator:
 
     def signature(self, gpu: GPU) -> tuple:
         probe = self._probe
-        if probe is None:
+        if probe is None or probe.card_queries:
             return ("card", gpu.name, gpu.capability, gpu.memory_bytes, gpu.cublas_workspace_bytes)
-        if probe.card_queries:
-            return ("card", gpu.name, gpu.capability, gpu.memory_bytes, gpu.cublas_workspace_bytes)
-        backends = tuple(backend_for(c, gpu.capability) for c in probe.sdpa_calls)
-        return ("shared", backends, gpu.cublas_workspace_bytes)
+        return ("shared", backends_key(probe.sdpa_calls, gpu), gpu.cublas_workspace_bytes)
 
     def trace(self, batch: int, gpu: GPU) -> Trace:
         key = (batch, self.signature(gpu))
@@ -103,13 +104,8 @@ class Simulator:
         profile = self.profiles.get(self.signature(gpu))
         if profile is None or batch < profile.min_batch:
             return self.report(batch, gpu)
-        probe = self._probe
-
-        def where(k: int) -> tuple[str, str, int]:
-            return profile.phases[k], profile.modules[k], 1
-
-        return report_from_events(profile.events_at(batch, gpu.cublas_workspace_bytes), batch, gpu, where,
-                                  probe.unsupported, probe.assumptions, reserve_bytes=self.reserve_bytes)
+        return report_from_events(profile.events_at(batch, gpu.cublas_workspace_bytes), batch, gpu, profile.where,
+                                  self._probe.unsupported, self._probe.assumptions, reserve_bytes=self.reserve_bytes)
 
     def flops(self, batch: int, gpu: GPU, start: int) -> int:
         """FLOPs of one step at ``batch``: affine in the batch, from the traces at ``start`` and ``start + 1``."""
@@ -122,8 +118,7 @@ class Simulator:
 
     def backend_key(self, gpu: GPU) -> str:
         """The attention backends the step's SDPA calls get on ``gpu``, as a profile key."""
-        calls = self._probe.sdpa_calls if self._probe is not None else []
-        return ",".join(backend_for(c, gpu.capability).name for c in calls)
+        return backends_key(self._probe.sdpa_calls if self._probe is not None else [], gpu)
 
 
 class ProfileReplayer:
@@ -140,7 +135,7 @@ class ProfileReplayer:
         self.profiles: dict[str, AffineTrace] = profile.steps
 
     def signature(self, gpu: GPU) -> str:
-        key = ",".join(backend_for(c, gpu.capability).name for c in self.calls)
+        key = backends_key(self.calls, gpu)
         if key not in self.doc.steps:
             raise SpecError("gpus", gpu.name, f"a card whose attention backends ({key or 'none'}) the profile "
                             f"was traced for ({', '.join(self.doc.steps) or 'none'}); re-run batchfit profile")
@@ -155,13 +150,8 @@ class ProfileReplayer:
     def report(self, batch: int, gpu: GPU) -> MemoryReport:
         key = self.signature(gpu)
         step = self.doc.first_steps[key] if batch == self.doc.start else self.doc.steps[key]
-        events = step.events_at(batch, gpu.cublas_workspace_bytes)
-
-        def where(k: int) -> tuple[str, str, int]:
-            return step.phases[k], step.modules[k], 1
-
-        return report_from_events(events, batch, gpu, where, [], self.doc.assumptions,
-                                  reserve_bytes=self.reserve_bytes)
+        return report_from_events(step.events_at(batch, gpu.cublas_workspace_bytes), batch, gpu, step.where, [],
+                                  self.doc.assumptions, reserve_bytes=self.reserve_bytes)
 
     report_fast = report
 
