@@ -52,23 +52,12 @@ async def post_estimate(
 
     async def compute():
         app.state.metrics.cache_misses.inc()
-        t0 = time.perf_counter()
-        app.state.metrics.workers_busy.inc()
-        try:
-            return await app.state.pool.run(data)
-        finally:
-            app.state.metrics.workers_busy.dec()
-            app.state.metrics.estimate.observe(time.perf_counter() - t0)
+        return await _in_pool(app, data)
 
     try:
         kind, payload = await app.state.flights.run(key, compute)
-    except Busy:
-        s = app.state.settings
-        return problem(503, "busy", "Every worker is busy", f"{s.workers} workers busy and {s.queue_size} requests "
-                       "waiting; retry later", headers={"Retry-After": str(s.retry_after_s)})
-    except LimitExceeded as exc:
-        app.state.metrics.worker_restarts.inc()
-        return problem(422, f"{exc.limit}-limit", "The estimate ran past a limit of the service", str(exc))
+    except Refused as refused:
+        return refused.response()
     if kind == "ok":
         if app.state.cache:
             app.state.cache.set(key, payload)
@@ -80,16 +69,41 @@ async def _validate(app, data: dict) -> Any:
     """One validation at a time on this node's GPU; never cached (it is a measurement)."""
     async with app.state.gpu_lock:
         try:
-            kind, payload = await app.state.pool.run(data)
-        except Busy:
-            s = app.state.settings
-            return problem(503, "busy", "Every worker is busy", "retry later",
-                           headers={"Retry-After": str(s.retry_after_s)})
-        except LimitExceeded as exc:
-            return problem(422, f"{exc.limit}-limit", "The estimate ran past a limit of the service", str(exc))
+            kind, payload = await _in_pool(app, data)
+        except Refused as refused:
+            return refused.response()
     if kind == "ok":
         return JSONResponse(payload)
     return _reply_problem(kind, payload)
+
+
+class Refused(Exception):
+    """The pool would not or could not finish the job; ``response()`` says why, a new one per caller
+    (identical concurrent requests share the exception)."""
+
+    def __init__(self, *problem_args: Any, **problem_kwargs: Any) -> None:
+        self.args_, self.kwargs_ = problem_args, problem_kwargs
+
+    def response(self) -> JSONResponse:
+        return problem(*self.args_, **self.kwargs_)
+
+
+async def _in_pool(app, data: dict) -> tuple[str, Any]:
+    """Run ``data`` in a worker, with the metrics; ``Refused`` when busy or past a limit."""
+    metrics, t0 = app.state.metrics, time.perf_counter()
+    metrics.workers_busy.inc()
+    try:
+        return await app.state.pool.run(data)
+    except Busy:
+        s = app.state.settings
+        raise Refused(503, "busy", "Every worker is busy", f"{s.workers} workers busy and {s.queue_size} "
+                      "requests waiting; retry later", headers={"Retry-After": str(s.retry_after_s)})
+    except LimitExceeded as exc:
+        metrics.worker_restarts.inc()
+        raise Refused(422, f"{exc.limit}-limit", "The estimate ran past a limit of the service", str(exc))
+    finally:
+        metrics.workers_busy.dec()
+        metrics.estimate.observe(time.perf_counter() - t0)
 
 
 def _reply_problem(kind: str, payload: Any) -> JSONResponse:
