@@ -21,7 +21,7 @@ class Settings(BaseSettings):
     workers: int = Field(2, ge=1, le=64, description="estimate worker processes")
     queue_size: int = Field(16, ge=0, le=10_000, description="requests that may wait for a worker")
     request_timeout_s: float = Field(600.0, gt=0, description="a running estimate is killed after this "
-                                     "(a confirmed estimate on the whole catalog takes minutes on 2 cores)")
+                                     "(planner.confirm='every-card' on the whole catalog takes minutes on 2 cores)")
     worker_memory_bytes: int = Field(8 * 2**30, ge=2**28, description="a worker over this RSS is killed")
     cache_path: str = Field(".batchfit-cache.sqlite", description="SQLite result cache ('' disables)")
     redis_url: str | None = Field(None, description="use Redis for the cache instead of SQLite")

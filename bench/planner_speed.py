@@ -2,13 +2,20 @@
 
 Prints, measured in this run: the wall time of one real training step of
 resnet50 at batch 32 on this machine's CPU (fp32, AdamW), the wall time of
-``estimate`` for resnet50 (fp32, AdamW) on every card of the catalog with
-and without the confirming full simulations, their ratios to the CPU step
-(aim: below 0.5), and how many full simulations each needed.
+``estimate`` for resnet50 (fp32, AdamW) on every card of the catalog for
+each ``planner.confirm`` mode (``top``, the default: one full simulation
+past the largest answer checks the affine trace; ``none``: the fit is
+checked at a small batch; ``every-card``: full simulations at every card's
+max and max + 1), their ratios to the CPU step (aim: below 0.5 for the
+default), how many full simulations and allocator replays each needed, and
+whether every mode gave the same answers.
+
+    python bench/planner_speed.py [--skip-every-card]
 """
 
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
@@ -35,19 +42,36 @@ def cpu_step_seconds(batch: int = 32) -> float:
 
 
 def main() -> None:
+    import estimator.simulator as simulator
+
+    replays = [0]
+    counted = simulator.replay_sized
+
+    def counting(*args, **kwargs):
+        replays[0] += 1
+        return counted(*args, **kwargs)
+
+    simulator.replay_sized = counting
     request = parse_request({"model": {"source": "torchvision", "name": "resnet50"}})
     estimate(parse_request({"model": {"source": "torchvision", "name": "resnet18"}, "gpus": ["T4-16GB"]}),
-             confirm=False)  # warm the process (imports, kernel registration), as a service worker is
+             confirm="none")  # warm the process (imports, kernel registration), as a service worker is
     step = cpu_step_seconds()
     print(f"real CPU step, resnet50 b32: {step:.2f} s")
-    for confirm in (True, False):
+    modes = ["top", "none"] + ([] if "--skip-every-card" in sys.argv else ["every-card"])
+    answers = {}
+    for mode in modes:
+        replays[0] = 0
         t0 = time.perf_counter()
-        response = estimate(request, confirm=confirm)
+        response = estimate(request, confirm=mode)
         dt = time.perf_counter() - t0
-        print(f"estimate on {len(CATALOG)} cards (confirm={confirm}): {dt:.2f} s, ratio {dt / step:.2f} "
-              f"(aim < 0.5), {response.provenance.simulations} full simulations")
-    for r in response.results[:4]:
-        print(f"  {r.gpu:<24} max {r.max_batch_size}  recommended {r.recommended_batch_size}  ({r.search})")
+        answers[mode] = [r.max_batch_size for r in response.results]
+        print(f"estimate on {len(CATALOG)} cards (confirm={mode}): {dt:.2f} s, ratio {dt / step:.2f} "
+              f"(aim < 0.5), {response.provenance.simulations} full simulations, {replays[0]} replays")
+        if mode == "top":
+            for r in response.results[:4]:
+                print(f"  {r.gpu:<24} max {r.max_batch_size}  recommended {r.recommended_batch_size}  ({r.search})")
+    same = all(a == answers["top"] for a in answers.values())
+    print(f"every mode gives the same max batch on every card: {same}")
 
 
 if __name__ == "__main__":

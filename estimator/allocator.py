@@ -91,6 +91,7 @@ class ReplayResult:
     breakdown_at_peak: dict[str, int] = field(default_factory=dict)
     segments_allocated: int = 0
     cache_flushes: int = 0
+    failed_mallocs: int = 0  # cudaMallocs refused for want of capacity (0: the same as an uncapped replay)
 
 
 def round_size(size: int) -> int:
@@ -133,6 +134,7 @@ class _Allocator:
         self.next_addr = 1 << 20
         self.segments = 0
         self.flushes = 0
+        self.failed = 0
         self.tails: dict[bool, _Block | None] = {True: None, False: None}  # expandable
 
     # --- pool bookkeeping
@@ -162,6 +164,7 @@ class _Allocator:
     def _cuda_malloc(self, small: bool, size: int) -> _Block | None:
         cap = self.cfg.capacity
         if cap is not None and self.reserved + size > cap:
+            self.failed += 1
             return None
         self.reserved += size
         self.segments += 1
@@ -256,6 +259,7 @@ class _Allocator:
         cap = self.cfg.capacity
         if cap is not None and self.reserved + grow > cap:
             self.flushes += 1
+            self.failed += 1
             self._unmap_free_pages()
             tail = self.tails[small]
             have = tail.size if tail is not None and not tail.allocated else 0
@@ -311,44 +315,83 @@ class _Allocator:
         self._insert(block)
 
 
-def replay(events: Sequence[Event], config: AllocatorConfig) -> ReplayResult:
-    """Run ``events`` through the caching-allocator model; stop at the first OOM."""
+def replay(events: Sequence[Event], config: AllocatorConfig, timelines: bool = True) -> ReplayResult:
+    """Run ``events`` through the caching-allocator model; stop at the first OOM.
+
+    ``timelines=False`` leaves ``allocated`` and ``reserved`` empty (faster;
+    the peaks are the same).
+    """
+    steps: list[tuple[bool, int]] = []
+    sizes: list[int] = []
+    categories: list[str] = []
+    current: dict[int, int] = {}  # an event's key -> the id of its live allocation
+    for i, ev in enumerate(events):
+        if ev.alloc:
+            if ev.key in current:
+                raise ReplayError(f"event {i}: key {ev.key} allocated twice without a free")
+            current[ev.key] = len(sizes)
+            steps.append((True, len(sizes)))
+            sizes.append(ev.nbytes)
+            categories.append(ev.category)
+        else:
+            k = current.pop(ev.key, None)
+            if k is None:
+                raise ReplayError(f"event {i}: free of key {ev.key} that is not allocated")
+            steps.append((False, k))
+    return replay_sized(steps, sizes, categories, config, timelines)
+
+
+def replay_sized(events: Sequence[tuple[bool, int]], sizes: Sequence[int], categories: Sequence[str],
+                 config: AllocatorConfig, timelines: bool = True) -> ReplayResult:
+    """``replay`` of ``(is_alloc, k)`` events whose allocation ``k`` has ``sizes[k]`` bytes in ``categories[k]``.
+
+    The form traces and affine traces already have: no per-event objects to build.
+    """
     a = _Allocator(config)
-    live: dict[int, tuple[_Block, str]] = {}
-    by_cat: dict[str, int] = {}
+    malloc, free = a.malloc, a.free
+    live: dict[int, _Block] = {}
+    block_size: dict[int, int] = {}  # allocation -> its block's size (fixed while allocated)
     allocated: list[int] = []
     reserved: list[int] = []
     alloc_peak = reserved_peak = 0
     peak_event = 0
-    peak_breakdown: dict[str, int] = {}
     oom: int | None = None
-    for i, ev in enumerate(events):
-        if ev.alloc:
-            if ev.key in live:
-                raise ReplayError(f"event {i}: key {ev.key} allocated twice without a free")
-            if ev.nbytes < 0:
-                raise ReplayError(f"event {i}: nbytes {ev.nbytes}; expected >= 0")
-            block = a.malloc(ev.nbytes)
+    for i, (is_alloc, k) in enumerate(events):
+        if is_alloc:
+            if k in live:
+                raise ReplayError(f"event {i}: key {k} allocated twice without a free")
+            nbytes = sizes[k]
+            if nbytes < 0:
+                raise ReplayError(f"event {i}: nbytes {nbytes}; expected >= 0")
+            block = malloc(nbytes)
             if block is None:
                 oom = i
                 break
-            live[ev.key] = (block, ev.category)
-            by_cat[ev.category] = by_cat.get(ev.category, 0) + block.size
+            live[k] = block
+            block_size[k] = block.size
+            if a.allocated > alloc_peak:
+                alloc_peak = a.allocated
+                peak_event = i
+            if a.reserved > reserved_peak:
+                reserved_peak = a.reserved
         else:
-            entry = live.pop(ev.key, None)
-            if entry is None:
-                raise ReplayError(f"event {i}: free of key {ev.key} that is not allocated")
-            block, cat = entry
-            by_cat[cat] -= block.size
-            a.free(block)
-        allocated.append(a.allocated)
-        reserved.append(a.reserved)
-        if a.allocated > alloc_peak:
-            alloc_peak = a.allocated
-            peak_event = i
-            peak_breakdown = {k: v for k, v in by_cat.items() if v}
-        if a.reserved > reserved_peak:
-            reserved_peak = a.reserved
+            block = live.pop(k, None)
+            if block is None:
+                raise ReplayError(f"event {i}: free of key {k} that is not allocated")
+            free(block)
+        if timelines:
+            allocated.append(a.allocated)
+            reserved.append(a.reserved)
+    breakdown: dict[str, int] = {}
+    if alloc_peak:
+        at_peak: set[int] = set()
+        for is_alloc, k in events[: peak_event + 1]:
+            if is_alloc:
+                at_peak.add(k)
+            else:
+                at_peak.discard(k)
+        for k in at_peak:
+            breakdown[categories[k]] = breakdown.get(categories[k], 0) + block_size[k]
     return ReplayResult(
         allocated_peak=alloc_peak,
         reserved_peak=reserved_peak,
@@ -357,7 +400,8 @@ def replay(events: Sequence[Event], config: AllocatorConfig) -> ReplayResult:
         peak_event=peak_event,
         allocated=allocated,
         reserved=reserved,
-        breakdown_at_peak=peak_breakdown,
+        breakdown_at_peak=breakdown,
         segments_allocated=a.segments,
         cache_flushes=a.flushes,
+        failed_mallocs=a.failed,
     )

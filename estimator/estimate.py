@@ -19,9 +19,10 @@ from estimator.errors import BatchTooSmallError, SpecError
 from estimator.gpus import CATALOG, CATALOG_VERSION, GPU, MIB, custom_gpu, get_gpu
 from estimator.models import BuiltModel, build
 from estimator.planner import (
-    MAX_BATCH, accumulation_plan, curve_batches, lr_advice, max_batch, recommended, step_seconds,
+    MAX_BATCH, accumulation_plan, curve_batches, lr_advice, max_batch, max_batch_between, recommended,
+    step_seconds,
 )
-from estimator.profile import PortableProfile, concrete
+from estimator.profile import AffineTrace, PortableProfile, concrete
 from estimator.recipe import Recipe
 from estimator.report import MemoryReport
 from estimator.simulator import CHECK_OFFSET, ProfileReplayer, Progress, Simulator
@@ -173,7 +174,7 @@ def make_profile(request: EstimateRequest, *, built: BuiltModel | None = None,
             raise SpecError("model", built.name, "a step whose ops do not change with the batch size "
                             "(a portable profile synthesizes every batch from two)")
         steps[key], first[key] = affine, concrete(sim.trace(start, card))
-        flops[key] = (sim.trace(start + 1, card).flops, sim.trace(start + 2, card).flops)
+        flops[key] = (sim.flops(start + 1, card, start), sim.flops(start + 2, card, start))
     card = cards[0]
     calls = [{"dtype": str(c.dtype), "dim": c.dim, "head_dims": list(c.head_dims), "has_mask": c.has_mask,
               "requires_grad": c.requires_grad} for c in sim.trace(start, card).sdpa_calls]
@@ -216,8 +217,8 @@ def _answer(source: Source, request: EstimateRequest, cards: list[GPU], start: i
         raise SpecError("batch_size", request.batch_size, f"at least {start}: {warnings[-1]}")
     results: list[GPUResult] = []
     shown: MemoryReport | None = None
-    for card in cards:
-        best, how = _max_batch(source, card, start, plan.confirm, warnings)
+    answers = _max_batches(source, cards, start, confirm_mode(plan.confirm), warnings)
+    for card, (best, how) in zip(cards, answers):
         at = request.batch_size or best or start
         report = source.report_fast(at, card)
         if request.batch_size is not None and not report.fits:
@@ -260,27 +261,95 @@ def _answer(source: Source, request: EstimateRequest, cards: list[GPU], start: i
     )
 
 
-def _max_batch(sim: Source, card: GPU, start: int, confirm: bool, warnings: list[str]) -> tuple[int | None, str]:
-    capacity = card.usable_bytes(sim.reserve_bytes)
+def confirm_mode(confirm: str | bool) -> str:
+    """``planner.confirm`` as one of 'top', 'every-card', 'none' (true and false are the older spellings)."""
+    if confirm is True:
+        return "every-card"
+    if confirm is False:
+        return "none"
+    return confirm
 
+
+def _max_batches(sim: Source, cards: list[GPU], start: int, confirm: str,
+                 warnings: list[str]) -> list[tuple[int | None, str]]:
+    """(max batch, how it was found) per card; cards whose steps share a trace are searched together."""
+    answers: list[tuple[int | None, str] | None] = [None] * len(cards)
+    groups: dict[object, list[int]] = {}
+    for i, card in enumerate(cards):
+        if not sim.report(start, card).fits:
+            answers[i] = (None, "full")
+        else:
+            groups.setdefault(sim.signature(card), []).append(i)
+    for members in groups.values():
+        found = _search_group(sim, [cards[i] for i in members], start, confirm, warnings)
+        for i, answer in zip(members, found):
+            answers[i] = answer
+    return answers
+
+
+def _search_group(sim: Source, cards: list[GPU], start: int, confirm: str,
+                  warnings: list[str]) -> list[tuple[int | None, str]]:
+    """Replays of one affine trace for every card of a group, confirmed as ``confirm`` says.
+
+    'top': one full simulation just past the group's largest max must record
+    exactly the step the affine trace synthesizes there; the trace is then
+    exact at four batches spanning every answer of the group (the two it
+    was fitted through, the top, and the smaller cards' answers lie between).
+    """
+    first = cards[0]
+    if confirm != "top" or not sim.can_confirm:
+        profile = sim.profile(start, first)
+        if profile is None:
+            return [_full_search(sim, card, start, warnings) for card in cards]
+        found = [(_replay_search(sim, profile, card, start), "affine") for card in cards]
+        if confirm == "every-card" and sim.can_confirm:
+            found = [_confirm_card(sim, card, best, start, warnings) for card, (best, _) in zip(cards, found)]
+        return found
+    tried: list[AffineTrace] = []
+    for skip_start in (False, True):
+        profile = sim.fit(start, first, skip_start)
+        if profile is None or profile in tried:
+            continue
+        tried.append(profile)
+        bests = [_replay_search(sim, profile, card, start) for card in cards]
+        top = min(max(bests) + 1, MAX_BATCH)
+        if sim.check(profile, top, first):
+            return [(best, f"affine, checked at batch {top}") for best in bests]
+        warnings.append(f"{', '.join(c.name for c in cards)}: a full simulation at batch {top} differs from the "
+                        "affine trace")
+    warnings.append(f"{', '.join(c.name for c in cards)}: the step's ops or sizes change with the batch; "
+                    "searched with full simulations")
+    return [_full_search(sim, card, start, warnings) for card in cards]
+
+
+def _replay_search(sim: Source, profile: AffineTrace, card: GPU, start: int) -> int:
+    """The max batch on ``card`` by replays of ``profile`` (the step fits at ``start``).
+
+    The requested bytes live at once bound it from above (the allocator's
+    blocks are never smaller than requests), and closely: the allocator
+    frees its cache and retries before it fails, so the answer is usually
+    within a few batches below the bound. Probes gallop down from there.
+    """
+    capacity, workspace = card.usable_bytes(sim.reserve_bytes), card.cublas_workspace_bytes
+    upper = max(profile.live_bound(capacity, workspace, MAX_BATCH), start)
+    # upper + 1 cannot fit (or is past MAX_BATCH)
+    return max_batch_between(lambda b: sim.replay_fits(profile, b, card)[0], start, upper + 1, upper)
+
+
+def _full_search(sim: Source, card: GPU, start: int, warnings: list[str]) -> tuple[int | None, str]:
     def full(b: int) -> tuple[bool, int]:
         r = sim.report(b, card)
         return r.fits, r.allocated_peak_bytes
 
-    if not sim.report(start, card).fits:
-        return None, "full"
-    profile = sim.profile(start, card)
-    if profile is None:
-        warnings.append(f"{card.name}: the step's ops or sizes change with the batch; searched with full simulations")
-        return max_batch(full, capacity, start=start), "full"
-    best = max_batch(lambda b: full(b) if b < profile.min_batch else sim.replay_fits(profile, b, card),
-                     capacity, start=start)
-    if not confirm or not sim.can_confirm or best is None:
-        return best, "affine"
-    if full(best)[0] and (best == MAX_BATCH or not full(best + 1)[0]):
+    return max_batch(full, card.usable_bytes(sim.reserve_bytes), start=start), "full"
+
+
+def _confirm_card(sim: Source, card: GPU, best: int, start: int, warnings: list[str]) -> tuple[int | None, str]:
+    """Full simulations at ``best`` and ``best + 1`` on the card; a full search when they disagree."""
+    if sim.report(best, card).fits and (best == MAX_BATCH or not sim.report(best + 1, card).fits):
         return best, "affine, confirmed"
     warnings.append(f"{card.name}: full simulations disagree with the affine trace at batch {best}; searched again")
-    return max_batch(full, capacity, start=start), "full"
+    return _full_search(sim, card, start, warnings)
 
 
 def _advise(result: GPUResult, sim: Source, card: GPU, start: int, request: EstimateRequest,

@@ -78,6 +78,42 @@ def max_batch(probe: Callable[[int], tuple[bool, int]], capacity: int, limit: in
     return lo
 
 
+def max_batch_between(fits: Callable[[int], bool], lo: int, hi: int, guess: int) -> int:
+    """Largest ``b`` in [lo, hi) that fits, given fits(lo) and not fits(hi), probing from ``guess`` outwards.
+
+    Gallops away from the guess (1, 2, 4, ... batches) until the answer is
+    bracketed, then bisects: a guess off by d costs about 2 log2(d) probes.
+
+    >>> max_batch_between(lambda b: b <= 37, 1, 100, 35)
+    37
+    """
+    b = min(max(guess, lo + 1), hi - 1)
+    step = 1
+    if b > lo and fits(b):
+        lo = b
+        while lo + step < hi:
+            if not fits(lo + step):
+                hi = lo + step
+                break
+            lo += step
+            step *= 2
+    elif b > lo:
+        hi = b
+        while hi - step > lo:
+            if fits(hi - step):
+                lo = hi - step
+                break
+            hi -= step
+            step *= 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 def affine_guess(peak_at_1: int, peak_at_2: int, capacity: int, start: int = 1) -> int | None:
     """Where the line through the peaks at batch ``start`` and ``start + 1`` meets ``capacity``."""
     per_sample = peak_at_2 - peak_at_1
@@ -161,9 +197,23 @@ def step_seconds(flops: int, peak_tflops: float, efficiency: float = DEFAULT_EFF
 
 
 def curve_batches(start: int, best: int, points: int = 10) -> list[int]:
-    """About ``points`` batch sizes from ``start`` to ``best``, geometric, both ends included."""
+    """About ``points`` batch sizes (at most 2 more) from ``start`` to ``best``, both ends included.
+
+    Powers of two, and 3 x 2^k as well when powers alone give fewer than
+    ``points``: the batch sizes people train with, and the same on every card
+    (one replay of a shared trace serves them all). Thinned evenly when there
+    are more than ``points + 2``; none within 10% below ``best``.
+
+    >>> curve_batches(1, 681)
+    [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 681]
+    """
     if best <= start or points <= 1:
         return [best]
-    ratio = (best / start) ** (1 / (points - 1))
-    out = sorted({min(best, max(start, round(start * ratio ** i))) for i in range(points)} | {start, best})
-    return out
+    top = best / 1.1
+    grid = sorted({start} | {2**k for k in range(best.bit_length()) if start < 2**k < top})
+    if len(grid) + 1 < points:
+        grid = sorted(set(grid) | {3 * 2**k for k in range(best.bit_length()) if start < 3 * 2**k < top})
+    grid.append(best)
+    if len(grid) > points + 2:
+        grid = sorted({grid[round(i * (len(grid) - 1) / (points - 1))] for i in range(points)})
+    return grid

@@ -18,6 +18,7 @@ profile serves cards whose workspace differs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from estimator.allocator import Event
@@ -47,9 +48,57 @@ class AffineTrace:
         """(phase, module, iteration) of allocation ``k``, as a report names the peak (steady state: 1)."""
         return self.phases[k], self.modules[k], 1
 
+    def sizes_at(self, batch: int, workspace: int) -> list[int]:
+        """Each allocation's bytes at ``batch``, the cuBLAS workspace as ``workspace``."""
+        sizes = [c + k * batch for c, k in zip(self.const, self.per_sample)]
+        for i in self._workspaces:
+            sizes[i] = workspace
+        return sizes
+
+    @cached_property
+    def _workspaces(self) -> list[int]:
+        return [i for i, c in enumerate(self.categories) if c == "workspace"]
+
+    def _front(self, workspace: int) -> list[tuple[int, int]]:
+        """(per-sample, constant) bytes live after each allocation, only the lines that can be the largest."""
+        fronts = self.__dict__.setdefault("_fronts", {})
+        if workspace not in fronts:
+            points = set()
+            c = k = 0
+            is_ws = set(self._workspaces)
+            for alloc, i in self.events:
+                dc = workspace if i in is_ws else self.const[i]
+                dk = 0 if i in is_ws else self.per_sample[i]
+                if alloc:
+                    c, k = c + dc, k + dk
+                    points.add((k, c))
+                else:
+                    c, k = c - dc, k - dk
+            front, best = [], None
+            for k, c in sorted(points, reverse=True):  # a line with a larger slope and constant dominates
+                if best is None or c > best:
+                    front.append((k, c))
+                    best = c
+            fronts[workspace] = front
+        return fronts[workspace]
+
+    def live_at(self, batch: int, workspace: int) -> int:
+        """The peak of requested bytes live at once at ``batch`` (what the allocator's blocks round up)."""
+        return max((c + k * batch for k, c in self._front(workspace)), default=0)
+
+    def live_bound(self, capacity: int, workspace: int, limit: int) -> int:
+        """The largest batch <= ``limit`` whose requested bytes live at once stay within ``capacity``:
+        no larger batch can fit, whatever the allocator does (its blocks are never smaller than requests)."""
+        b = limit
+        for k, c in self._front(workspace):
+            if k > 0:
+                b = min(b, (capacity - c) // k)
+            elif c > capacity:
+                return 0
+        return b
+
     def events_at(self, batch: int, workspace: int) -> list[Event]:
-        sizes = [self.nbytes(i, batch, workspace) for i in range(len(self.const))]
-        cats = self.categories
+        sizes, cats = self.sizes_at(batch, workspace), self.categories
         return [Event(alloc, k, sizes[k], cats[k]) for alloc, k in self.events]
 
     def matches(self, trace: Trace, batch: int) -> bool:

@@ -8,9 +8,9 @@ True
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from estimator.allocator import AllocatorConfig, Event, replay
+from estimator.allocator import AllocatorConfig, ReplayResult, replay_sized
 from estimator.gpus import GPU, get_gpu
 from estimator.recipe import Recipe
 from estimator.trace import BatchFactory, LossFn, ModelFactory, Trace, record_training
@@ -79,10 +79,10 @@ def report_from_trace(
 ) -> MemoryReport:
     """Replay ``trace`` for ``gpu``: peaks as on the card when the step fits, else what it would need (no cap).
 
-    ``reserve_bytes`` is kept free on top of the CUDA context (the planner's safety margin).
+    ``reserve_bytes`` is kept free on top of the CUDA context (the planner's
+    safety margin). The trace may come from a card with another cuBLAS
+    workspace size: ``gpu``'s own is used.
     """
-    allocator = allocator or AllocatorConfig()
-    events = trace.allocator_events()
     if gpu is None:
         peak, idx = trace.live_peak()
         by_cat: dict[str, int] = {}
@@ -106,29 +106,40 @@ def report_from_trace(
         a = trace.allocations[k]
         return a.phase, a.module, a.iteration
 
-    return report_from_events(events, batch_size, gpu, where, trace.unsupported, trace.assumptions,
-                              allocator, reserve_bytes, trace)
+    return report_from_sizes(trace.events, trace.sizes(gpu.cublas_workspace_bytes), trace.categories(), batch_size,
+                             gpu, where, trace.unsupported, trace.assumptions, allocator, reserve_bytes, trace)
 
 
-def report_from_events(
-    events: list[Event], batch_size: int, gpu: GPU, where: Callable[[int], tuple[str, str, int]],
-    unsupported: list[str], assumptions: list[str], allocator: AllocatorConfig | None = None,
+def report_from_sizes(
+    events: list[tuple[bool, int]], sizes: list[int], categories: list[str], batch_size: int, gpu: GPU,
+    where: Callable[[int], tuple[str, str, int]], unsupported: list[str], assumptions: list[str],
+    allocator: AllocatorConfig | None = None, reserve_bytes: int = 0, trace: Trace | None = None,
+) -> MemoryReport:
+    """``report_from_trace`` for a step given as events over sized allocations (a synthesized step too);
+    ``where(k)`` names allocation k's place."""
+    allocator = allocator or AllocatorConfig()
+    capped = replay_sized(events, sizes, categories, replace(allocator, capacity=gpu.usable_bytes(reserve_bytes)),
+                          timelines=False)
+    unlimited = capped if capped.fits else replay_sized(events, sizes, categories,
+                                                        replace(allocator, capacity=None), timelines=False)
+    return report_from_replays(capped, unlimited, events, batch_size, gpu, where, unsupported, assumptions,
+                               reserve_bytes, trace)
+
+
+def report_from_replays(
+    capped: ReplayResult, unlimited: ReplayResult, events: list[tuple[bool, int]], batch_size: int, gpu: GPU,
+    where: Callable[[int], tuple[str, str, int]], unsupported: list[str], assumptions: list[str],
     reserve_bytes: int = 0, trace: Trace | None = None,
 ) -> MemoryReport:
-    """``report_from_trace`` for events alone (a synthesized step); ``where(k)`` names allocation k's place."""
-    allocator = allocator or AllocatorConfig()
-    unlimited = replay(events, AllocatorConfig(
-        None, allocator.max_split_size, allocator.expandable_segments, allocator.garbage_collection_threshold
-    ))
-    capacity = gpu.usable_bytes(reserve_bytes)
-    capped = replay(events, AllocatorConfig(
-        capacity, allocator.max_split_size, allocator.expandable_segments, allocator.garbage_collection_threshold
-    ))
-    # On the card, a step that fits runs under memory pressure: the allocator
-    # frees cached blocks and retries instead of growing, so the card's
-    # replay is what torch.cuda.max_memory_reserved() would report.
+    """The report from a step's replay on the card (``capped``) and without a capacity (``unlimited``).
+
+    On the card, a step that fits runs under memory pressure: the allocator
+    frees cached blocks and retries instead of growing, so the card's replay
+    is what torch.cuda.max_memory_reserved() would report. A step that does
+    not fit is reported with what it would need.
+    """
     shown = capped if capped.fits else unlimited
-    phase, module, iteration = where(events[unlimited.peak_event].key) if events else ("", "", 0)
+    phase, module, iteration = where(events[shown.peak_event][1]) if events else ("", "", 0)
     notes = list(assumptions) + [
         f"CUDA context on {gpu.name}: {gpu.context_bytes // 2**20} MiB (catalog default; driver dependent)",
         f"cuBLAS workspace {gpu.cublas_workspace_bytes} B per handle, allocated through the caching allocator",
@@ -136,8 +147,8 @@ def report_from_events(
     return MemoryReport(
         gpu.name, batch_size,
         shown.allocated_peak, shown.reserved_peak, shown.reserved_peak + gpu.context_bytes,
-        gpu.context_bytes, capacity, capped.fits, Breakdown.from_categories(unlimited.breakdown_at_peak),
-        phase, module, iteration, list(unsupported), notes, trace,
+        gpu.context_bytes, gpu.usable_bytes(reserve_bytes), capped.fits,
+        Breakdown.from_categories(shown.breakdown_at_peak), phase, module, iteration, list(unsupported), notes, trace,
     )
 
 

@@ -10,13 +10,13 @@ from collections.abc import Callable
 
 import torch
 
-from estimator.allocator import AllocatorConfig, replay
+from estimator.allocator import AllocatorConfig, ReplayResult, replay_sized
 from estimator.errors import SpecError
 from estimator.gpus import GPU
 from estimator.models import BuiltModel
 from estimator.profile import AffineTrace, PortableProfile, fit
 from estimator.recipe import Recipe
-from estimator.report import MemoryReport, report_from_events, report_from_trace
+from estimator.report import MemoryReport, report_from_replays
 from estimator.trace import Trace, record_training
 from estimator.virtual_gpu.attention import SdpaCall, backend_for
 
@@ -26,10 +26,57 @@ Progress = Callable[[int, str], None]
 CHECK_OFFSET = 7
 
 
-def replay_fits(profile: AffineTrace, batch: int, gpu: GPU, reserve_bytes: int) -> tuple[bool, int]:
-    """(fits, allocated peak) of the synthesized step at ``batch``: one allocator replay, no simulation."""
-    r = replay(profile.events_at(batch, gpu.cublas_workspace_bytes), AllocatorConfig(gpu.usable_bytes(reserve_bytes)))
-    return r.fits, r.allocated_peak
+Step = Trace | AffineTrace
+
+
+class Replays:
+    """Allocator replays of steps (traces and affine traces), cached: a search, the curve and the
+    reports of one card ask for the same batches, and cards that share a step and a workspace size
+    share the replays without a capacity and those that never reach their capacity."""
+
+    reserve_bytes = 0
+
+    def __init__(self) -> None:
+        self._capped: dict[tuple, ReplayResult] = {}
+        self._unlimited: dict[tuple, ReplayResult] = {}
+
+    @staticmethod
+    def _sized(step: Step, batch: int, workspace: int) -> tuple[list, list[int], list[str]]:
+        if isinstance(step, Trace):
+            return step.events, step.sizes(workspace), step.categories()
+        return step.events, step.sizes_at(batch, workspace), step.categories
+
+    def replay(self, step: Step, batch: int, gpu: GPU, capped: bool = True) -> ReplayResult:
+        """The step's replay on the card (its capacity less the reserve), or without a capacity."""
+        ws = gpu.cublas_workspace_bytes
+        key = (id(step), batch, ws)
+        known = self._unlimited.get(key)
+        if not capped:
+            if known is None:
+                known = self._unlimited[key] = replay_sized(*self._sized(step, batch, ws), AllocatorConfig(),
+                                                            timelines=False)
+            return known
+        cap = gpu.usable_bytes(self.reserve_bytes)
+        if known is not None and known.reserved_peak <= cap:
+            return known  # below the capacity no cudaMalloc fails: the same replay
+        if (key, cap) not in self._capped:
+            r = replay_sized(*self._sized(step, batch, ws), AllocatorConfig(cap), timelines=False)
+            self._capped[key, cap] = r
+            if r.fits and not r.failed_mallocs:
+                self._unlimited[key] = r
+        return self._capped[key, cap]
+
+    def replay_fits(self, profile: AffineTrace, batch: int, gpu: GPU) -> tuple[bool, int]:
+        """(fits, allocated peak) of the synthesized step at ``batch``: one allocator replay, no simulation."""
+        r = self.replay(profile, batch, gpu)
+        return r.fits, r.allocated_peak
+
+    def step_report(self, step: Step, batch: int, gpu: GPU, where, unsupported: list[str],
+                    assumptions: list[str]) -> MemoryReport:
+        capped = self.replay(step, batch, gpu)
+        unlimited = capped if capped.fits else self.replay(step, batch, gpu, capped=False)
+        return report_from_replays(capped, unlimited, step.events, batch, gpu, where, unsupported, assumptions,
+                                   self.reserve_bytes, step if isinstance(step, Trace) else None)
 
 
 def backends_key(calls: list[SdpaCall], gpu: GPU) -> str:
@@ -37,31 +84,36 @@ def backends_key(calls: list[SdpaCall], gpu: GPU) -> str:
     return ",".join(backend_for(c, gpu.capability).name for c in calls)
 
 
-class Simulator:
+class Simulator(Replays):
     """Full simulations of one model and recipe, shared between cards that simulate alike.
 
     A trace depends on the card only through the attention backends its
-    SDPA calls get and the cuBLAS workspace size, unless the step asked
-    torch.cuda about the card (then it is the card's own).
+    SDPA calls get, unless the step asked torch.cuda about the card (then it
+    is the card's own). The cuBLAS workspace (4 MiB, 32 MiB on Hopper) is one
+    allocation of category ``workspace`` whose size each report takes from
+    its card.
     """
 
     can_confirm = True
 
     def __init__(self, built: BuiltModel, recipe: Recipe, progress: Progress | None = None,
                  reserve_bytes: int = 0) -> None:
+        super().__init__()
         self.built = built
         self.recipe = recipe
         self.progress = progress
         self.reserve_bytes = reserve_bytes
         self.traces: dict[tuple, Trace] = {}
-        self.profiles: dict[tuple, AffineTrace | None] = {}
+        self.profiles: dict[tuple, AffineTrace | None] = {}  # checked against a third full simulation
+        self._fits: dict[tuple, AffineTrace | None] = {}
+        self._reports: dict[tuple, MemoryReport] = {}
         self._probe: Trace | None = None  # any trace: what the step asks of a card
 
     def signature(self, gpu: GPU) -> tuple:
         probe = self._probe
         if probe is None or probe.card_queries:
             return ("card", gpu.name, gpu.capability, gpu.memory_bytes, gpu.cublas_workspace_bytes)
-        return ("shared", backends_key(probe.sdpa_calls, gpu), gpu.cublas_workspace_bytes)
+        return ("shared", backends_key(probe.sdpa_calls, gpu))
 
     def trace(self, batch: int, gpu: GPU) -> Trace:
         key = (batch, self.signature(gpu))
@@ -78,34 +130,73 @@ class Simulator:
         return self.traces[key]
 
     def report(self, batch: int, gpu: GPU) -> MemoryReport:
-        return report_from_trace(self.trace(batch, gpu), batch, gpu, reserve_bytes=self.reserve_bytes)
+        """The report of a full simulation at ``batch`` on ``gpu``."""
+        key = (batch, gpu)
+        if key not in self._reports:
+            trace = self.trace(batch, gpu)
+
+            def where(k: int) -> tuple[str, str, int]:
+                a = trace.allocations[k]
+                return a.phase, a.module, a.iteration
+
+            self._reports[key] = self.step_report(trace, batch, gpu, where, trace.unsupported, trace.assumptions)
+        return self._reports[key]
+
+    def fit(self, start: int, gpu: GPU, skip_start: bool = False) -> AffineTrace | None:
+        """The affine trace through batches ``start`` and ``start + 1`` (through ``start + 1`` and
+        ``start + 2`` when the step takes other paths at ``start``, or with ``skip_start``), not yet
+        checked: ``check`` or ``profile`` does that.
+
+        At batch 1 some ops can take other paths (a (1, H, S, D) matmul
+        folds into a view where a larger batch copies): then the traces at
+        ``start`` and ``start + 1`` differ and the fit moves one batch up.
+        """
+        key = (self.signature(gpu), start, skip_start)
+        if key not in self._fits:
+            found = None
+            if not skip_start:
+                found = fit([(start, self.trace(start, gpu)), (start + 1, self.trace(start + 1, gpu))])
+            if found is None:
+                found = fit([(start + 1, self.trace(start + 1, gpu)), (start + 2, self.trace(start + 2, gpu))])
+            self._fits[key] = found
+        return self._fits[key]
+
+    def check(self, profile: AffineTrace, batch: int, gpu: GPU) -> bool:
+        """Whether a full simulation at ``batch`` records exactly the step ``profile`` synthesizes there;
+        when it does, ``profile`` answers ``report_fast`` for the card's signature from then on."""
+        if not profile.matches(self.trace(batch, gpu), batch):
+            return False
+        self.profiles.setdefault(self.signature(gpu), profile)
+        return True
 
     def profile(self, start: int, gpu: GPU) -> AffineTrace | None:
-        """The affine trace through batches ``start + 1`` and ``start + 2``, checked at ``start + 1 + CHECK_OFFSET``.
-
-        Not through ``start``: at batch 1 some ops take other paths (a
-        (1, H, S, D) matmul folds into a view where a larger batch copies).
-        """
+        """``fit``, checked by a full simulation at ``start + 1 + CHECK_OFFSET``; None when the step is
+        not affine in the batch."""
         sig = self.signature(gpu)
         if sig not in self.profiles:
-            b1, b2, b3 = start + 1, start + 2, start + 1 + CHECK_OFFSET
-            self.profiles[sig] = fit([(b1, self.trace(b1, gpu)), (b2, self.trace(b2, gpu))],
-                                     check=(b3, self.trace(b3, gpu)))
+            found = self.fit(start, gpu)
+            check = start + 1 + CHECK_OFFSET
+            ok = found is not None and self.check(found, check, gpu)
+            if not ok and found is not None and found.min_batch == start:
+                found = self.fit(start, gpu, skip_start=True)
+                ok = found is not None and self.check(found, check, gpu)
+            if not ok:
+                self.profiles[sig] = None
         return self.profiles[sig]
 
-    def replay_fits(self, profile: AffineTrace, batch: int, gpu: GPU) -> tuple[bool, int]:
-        return replay_fits(profile, batch, gpu, self.reserve_bytes)
-
     def report_fast(self, batch: int, gpu: GPU) -> MemoryReport:
-        """``report``, from the affine trace when one is known for the card and covers ``batch``
-        (the same events a fresh simulation records: ``fit`` checked it), else simulated."""
+        """``report``, from the checked affine trace when one is known for the card and covers ``batch``
+        (the same events a fresh simulation records), else simulated."""
         if (batch, self.signature(gpu)) in self.traces:
             return self.report(batch, gpu)
         profile = self.profiles.get(self.signature(gpu))
         if profile is None or batch < profile.min_batch:
             return self.report(batch, gpu)
-        return report_from_events(profile.events_at(batch, gpu.cublas_workspace_bytes), batch, gpu, profile.where,
-                                  self._probe.unsupported, self._probe.assumptions, reserve_bytes=self.reserve_bytes)
+        key = (batch, gpu)
+        if key not in self._reports:
+            self._reports[key] = self.step_report(profile, batch, gpu, profile.where, self._probe.unsupported,
+                                                  self._probe.assumptions)
+        return self._reports[key]
 
     def flops(self, batch: int, gpu: GPU, start: int) -> int:
         """FLOPs of one step at ``batch``: affine in the batch, from the traces at ``start`` and ``start + 1``."""
@@ -121,13 +212,14 @@ class Simulator:
         return backends_key(self._probe.sdpa_calls if self._probe is not None else [], gpu)
 
 
-class ProfileReplayer:
+class ProfileReplayer(Replays):
     """Answers from a portable profile: allocator replays of its affine traces, no model code."""
 
     can_confirm = False
     simulations = 0
 
     def __init__(self, profile: PortableProfile, reserve_bytes: int) -> None:
+        super().__init__()
         self.doc = profile
         self.reserve_bytes = reserve_bytes
         self.calls = [SdpaCall(getattr(torch, c["dtype"].removeprefix("torch.")), c["dim"], tuple(c["head_dims"]),
@@ -144,14 +236,10 @@ class ProfileReplayer:
     def profile(self, start: int, gpu: GPU) -> AffineTrace:
         return self.doc.steps[self.signature(gpu)]
 
-    def replay_fits(self, profile: AffineTrace, batch: int, gpu: GPU) -> tuple[bool, int]:
-        return replay_fits(profile, batch, gpu, self.reserve_bytes)
-
     def report(self, batch: int, gpu: GPU) -> MemoryReport:
         key = self.signature(gpu)
         step = self.doc.first_steps[key] if batch == self.doc.start else self.doc.steps[key]
-        return report_from_events(step.events_at(batch, gpu.cublas_workspace_bytes), batch, gpu, step.where, [],
-                                  self.doc.assumptions, reserve_bytes=self.reserve_bytes)
+        return self.step_report(step, batch, gpu, step.where, [], self.doc.assumptions)
 
     report_fast = report
 

@@ -128,10 +128,15 @@ class CustomGPUSpec(BaseModel):
 class PlannerSpec(BaseModel):
     model_config = _STRICT
     align: bool = Field(True, description="round the recommendation down to a multiple of 8 when it costs < 10%")
-    confirm: bool = Field(True, description="confirm each max with full simulations at max and max + 1")
+    confirm: Literal["top", "every-card", "none"] | bool = Field(
+        "top", description="how the affine trace's answers are confirmed by full simulations: 'top' (one per "
+        "group of cards sharing a trace, just past the group's largest max, must equal the synthesized step "
+        "exactly), 'every-card' (at every card's max and max + 1; true means this), 'none' (the fit is checked "
+        "at one more batch only; false means this)")
     reserve_bytes: int = Field(256 * 2**20, ge=0, le=2**40,
                                description="kept free on every card besides the CUDA context (safety margin)")
-    curve_points: int = Field(10, ge=0, le=50, description="batch sizes in the memory curve")
+    curve_points: int = Field(10, ge=0, le=50, description="about this many batch sizes in the memory curve "
+                              "(powers of two, then 3 x 2^k, up to the max; 0: no curve)")
     data_parallel_ranks: int = Field(1, ge=1, le=65536)
     target_global_batch: int | None = Field(None, ge=1, le=2**30, description="plan accumulation for this batch")
     base_lr: float | None = Field(None, gt=0, description="a learning rate tuned at base_batch")
@@ -196,8 +201,10 @@ class GPUResult(BaseModel):
     min_batch_size: int = Field(1, description="smallest batch that trains (2 when batch norm sees 1x1 maps)")
     max_batch_size: int | None = Field(description="largest batch whose simulated step never fails; null: not even 1")
     recommended_batch_size: int | None
-    search: str = Field("", description="how the max was found: 'affine, confirmed' (replays of the synthesized "
-                        "trace, checked by full simulations at max and max + 1), 'affine', or 'full'")
+    search: str = Field("", description="how the max was found: 'affine, checked at batch N' (replays of the "
+                        "synthesized trace, which a full simulation at N reproduced exactly), 'affine, confirmed' "
+                        "(full simulations at max and max + 1 agree), 'affine' (fit checked at a small batch), "
+                        "or 'full' (full simulations only)")
     memory: MemoryAtBatch
     curve: list[CurvePoint] = Field(default_factory=list, description="device peak at batch sizes up to the max")
     step_seconds: float | None = Field(None, description="one optimizer step at the recommended batch")

@@ -67,9 +67,18 @@ class Trace:
     sdpa_calls: list = field(default_factory=list)  # what the card-dependent attention choices read
     card_queries: list[str] = field(default_factory=list)  # torch.cuda queries the step made
 
-    def allocator_events(self) -> list[Event]:
-        allocs = self.allocations
-        return [Event(a, k, allocs[k].nbytes, allocs[k].category) for a, k in self.events]
+    def sizes(self, workspace: int | None = None) -> list[int]:
+        """Each allocation's bytes; the cuBLAS workspace as ``workspace`` when given (another card's)."""
+        if workspace is None:
+            return [a.nbytes for a in self.allocations]
+        return [workspace if a.category == "workspace" else a.nbytes for a in self.allocations]
+
+    def categories(self) -> list[str]:
+        return [a.category for a in self.allocations]
+
+    def allocator_events(self, workspace: int | None = None) -> list[Event]:
+        sizes, allocs = self.sizes(workspace), self.allocations
+        return [Event(a, k, sizes[k], allocs[k].category) for a, k in self.events]
 
     def live_peak(self) -> tuple[int, int]:
         """(peak of live requested bytes, event index): what a profiler of the raw allocator sees."""

@@ -99,3 +99,4 @@ def test_gradient_lifetimes(recipe_kwargs, gradient_allocations) -> None:
     recipe = Recipe(optimizer="sgd", **recipe_kwargs)
     t = totals(record_training(mf, bf, lf, 32, recipe, get_gpu("A100-80GB")))
     assert t["gradient"] == gradient_allocations * MLP_ELEMENTS * 4
+

@@ -106,7 +106,8 @@ def test_max_fits_and_max_plus_one_does_not(model, inp) -> None:
     for result in response.results:
         card = get_gpu(result.gpu)
         best = result.max_batch_size
-        assert best is not None and result.search == "affine, confirmed"
+        assert best is not None and result.search.startswith("affine, checked at batch ")
+        assert int(result.search.rsplit(" ", 1)[1]) > best  # the check lies past every card's answer
 
         def fits(b: int) -> bool:
             trace = record_training(built.factory, built.batch_factory, built.loss_fn, b, recipe, card)
@@ -152,3 +153,66 @@ def test_card_with_no_headroom() -> None:
 def test_recommended_rounds_to_8_when_cheap(max_size, expected) -> None:
     assert recommended(max_size) == expected
     assert recommended(max_size, align=False) == max_size
+
+
+class ChangesAbove(nn.Module):
+    """Takes another path for batches above ``at``: unseen by batches 1, 2 and 9."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at = at
+        self.a = nn.Linear(256, 256)
+        self.b = nn.Linear(256, 10)
+
+    def forward(self, x):
+        h = self.a(x)
+        if x.shape[0] > self.at:
+            h = torch.cat([h, h, h, h], dim=1)[:, :256]  # an extra (B, 1024) temporary
+        return self.b(torch.relu(h))
+
+
+def test_the_top_check_catches_a_path_change_between_the_fit_and_the_answers() -> None:
+    def batch(b, device):
+        return torch.empty(b, 256, device=device), torch.zeros(b, dtype=torch.long, device=device)
+
+    built = BuiltModel("test:changes-above", lambda: ChangesAbove(300), batch, F.cross_entropy, {}, 256 * 266 + 266)
+    card = custom_gpu("small", 360 * MIB, "8.0", 300 * MIB)
+    request = parse_request({"model": {"source": "custom", "factory": "x:y"},
+                             "gpus": [{"name": "small", "memory_bytes": 360 * MIB, "compute_capability": "8.0",
+                                       "context_bytes": 300 * MIB}]}, allow_local_code=True)
+    response = estimate(request, built=built, reserve_bytes=0)
+    (result,) = response.results
+    assert result.search == "full"
+    assert any("differs from the affine trace" in w for w in response.warnings)
+
+    def fits(b: int) -> bool:
+        trace = record_training(built.factory, built.batch_factory, built.loss_fn, b, Recipe(), card)
+        return report_from_trace(trace, b, card).fits
+    best = result.max_batch_size
+    assert best > 300 and fits(best) and not fits(best + 1)
+
+
+def test_every_card_confirmation_agrees_with_the_top_check() -> None:
+    request = parse_request({"model": {"source": "torchvision", "name": "resnet18"},
+                             "gpus": ["T4-16GB", "A100-40GB", "H100-80GB"]})
+    top = estimate(request)
+    every = estimate(request, confirm="every-card")
+    assert [r.max_batch_size for r in top.results] == [r.max_batch_size for r in every.results]
+    assert all(r.search == "affine, confirmed" for r in every.results)
+    # one trace serves the sm80 and sm90 cards (the cuBLAS workspace is substituted per card):
+    # batches 1 and 2, and one check past the largest answer
+    assert top.provenance.simulations == 3
+    assert every.provenance.simulations > top.provenance.simulations
+
+
+@pytest.mark.parametrize("name", ["mlp", "conv", "gpt2", "inplace_view"])
+def test_live_bound_is_the_fresh_traces_peak_of_requested_bytes(name: str) -> None:
+    mf, bf, lf = ZOO[name]
+    t1, t2 = (record_training(mf, bf, lf, b, Recipe(), A100) for b in (2, 3))
+    profile = fit([(2, t1), (3, t2)])
+    for b in (5, 17, 64):
+        fresh = record_training(mf, bf, lf, b, Recipe(), A100)
+        assert profile.live_at(b, A100.cublas_workspace_bytes) == fresh.live_peak()[0]
+    live_64 = profile.live_at(64, A100.cublas_workspace_bytes)
+    bound = profile.live_bound(live_64, A100.cublas_workspace_bytes, 2**20)
+    assert bound >= 64 and profile.live_at(bound + 1, A100.cublas_workspace_bytes) > live_64

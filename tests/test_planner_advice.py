@@ -47,8 +47,13 @@ def test_lr_advice() -> None:
 
 
 def test_curve_and_step_time() -> None:
-    assert curve_batches(1, 681) == [1, 2, 4, 9, 18, 37, 77, 160, 330, 681]
+    assert curve_batches(1, 681) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 681]  # powers of two, the max
+    assert curve_batches(1, 46) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 46]  # and 3 x 2^k when they are too few
+    assert curve_batches(2, 20, points=4) == [2, 4, 8, 16, 20]  # at most 2 over
+    thinned = curve_batches(1, 2**20)  # 21 powers of two: evenly thinned to 10, both ends kept
+    assert len(thinned) == 10 and thinned[0] == 1 and thinned[-1] == 2**20
     assert curve_batches(5, 5) == [5]
+    assert curve_batches(1, 100, points=1) == [100]
     # 312 TFLOP/s at 40%: 1.248e14 FLOP take one second
     assert step_seconds(int(1.248e14), 312.0, 0.4) == pytest.approx(1.0)
     assert step_seconds(10, 0.0) is None

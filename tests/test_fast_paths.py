@@ -1,0 +1,93 @@
+"""The virtual GPU's shortcuts past torch's fake kernels record exactly what the general path records.
+
+Three shortcuts make a fresh simulation ~2x faster (bench/simulate_speed.py):
+the optimizers' elementwise ``_foreach_*`` ops, cuDNN batch norm's outputs,
+and cheaper FakeTensor dispatch-cache keys. Each is switched off here and the
+traces compared allocation by allocation.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import estimator.virtual_gpu as vgpu
+from estimator.gpus import get_gpu
+from estimator.models import build
+from estimator.recipe import Recipe
+from estimator.spec import parse_request
+from estimator.trace import record_training
+from estimator.virtual_gpu import VirtualGPU
+from zoo import ZOO
+
+A100 = get_gpu("A100-80GB")
+aten = torch.ops.aten
+
+
+def _same(a, b) -> None:
+    assert a.events == b.events
+    assert [(x.nbytes, x.category, x.op, x.phase, x.module) for x in a.allocations] == \
+        [(x.nbytes, x.category, x.op, x.phase, x.module) for x in b.allocations]
+
+
+FOREACH_RECIPES = [
+    ("sgd", {"momentum": 0.9}), ("sgd", {"momentum": 0.9, "nesterov": True}), ("adam", {}), ("adam", {"amsgrad": True}),
+    ("adamw", {}), ("adamw", {"weight_decay": 0.1}), ("adagrad", {}), ("rmsprop", {"momentum": 0.9, "centered": True}),
+]
+
+
+@pytest.mark.parametrize("optimizer, kwargs", FOREACH_RECIPES)
+@pytest.mark.parametrize("model, precision", [("conv", "fp32"), ("conv", "amp-fp16"), ("conv", "amp-bf16"),
+                                              ("mlp", "bf16")])
+def test_foreach_shortcut(optimizer, kwargs, model, precision, monkeypatch) -> None:
+    mf, bf, lf = ZOO[model]
+    recipe = Recipe(optimizer=optimizer, optimizer_kwargs=kwargs, precision=precision)
+    fast = record_training(mf, bf, lf, 4, recipe, A100)
+    monkeypatch.setattr(vgpu, "_FOREACH_ELEMENTWISE", frozenset())
+    _same(fast, record_training(mf, bf, lf, 4, recipe, A100))
+
+
+MODELS = [
+    {"source": "torchvision", "name": "resnet18"},
+    {"source": "torchvision", "name": "mobilenet_v3_small"},
+    {"source": "timm", "name": "convnext_atto"},
+    {"source": "transformers", "preset": "gpt2"},
+]
+
+
+@pytest.mark.parametrize("model", MODELS, ids=[m.get("name") or m.get("preset") for m in MODELS])
+@pytest.mark.parametrize("precision", ["fp32", "amp-fp16", "amp-bf16"])
+def test_batch_norm_and_cache_key_shortcuts(model, precision, monkeypatch) -> None:
+    inp = {"seq_len": 64} if "preset" in model else {"image_size": [3, 64, 64]}
+    b = build(parse_request({"model": model, "input": inp}))
+    recipe = Recipe(precision=precision)
+    fast = [record_training(b.factory, b.batch_factory, b.loss_fn, n, recipe, A100) for n in (3, 5)]
+    monkeypatch.setattr(vgpu, "FAST_BATCH_NORM", False)
+    monkeypatch.setattr(vgpu, "FAST_CACHE_KEYS", False)
+    for n, trace in zip((3, 5), fast):
+        _same(trace, record_training(b.factory, b.batch_factory, b.loss_fn, n, recipe, A100))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("weight_low", [False, True])
+@pytest.mark.parametrize("shape, channels_last", [((8, 16, 5, 5), False), ((8, 16, 5, 5), True), ((8, 16), False),
+                                                  ((4, 16, 7), False), ((2, 16, 3, 4, 5), False)])
+def test_cudnn_batch_norm_outputs(dtype, weight_low, shape, channels_last, monkeypatch) -> None:
+    wdt = dtype if weight_low else torch.float32
+    results = {}
+    for fast in (True, False):
+        monkeypatch.setattr(vgpu, "FAST_BATCH_NORM", fast)
+        with VirtualGPU(A100):
+            x = torch.empty(shape, device="cuda", dtype=dtype)
+            if channels_last:
+                x = x.to(memory_format=torch.channels_last)
+            w, b, rm, rv = (torch.empty(16, device="cuda", dtype=wdt) for _ in range(4))
+            got = []
+            for training in (False, True):
+                outs = aten.cudnn_batch_norm(x, w, b, rm, rv, training, 0.1, 1e-5)
+                got.append([(tuple(o.shape), o.stride(), o.dtype) for o in outs])
+            go = torch.empty_like(x)
+            grads = aten.cudnn_batch_norm_backward(x, go, w, rm, rv, outs[1], outs[2], 1e-5, outs[3])
+            got.append([(tuple(o.shape), o.stride(), o.dtype) for o in grads])
+            results[fast] = got
+    assert results[True] == results[False]
