@@ -306,7 +306,8 @@ def _search_group(sim: Source, cards: list[GPU], start: int, confirm: str,
             found = [_confirm_card(sim, card, best, start, warnings) for card, (best, _) in zip(cards, found)]
         return found
     tried: list[AffineTrace] = []
-    for skip_start in (False, True):
+    checked: list[int] = []
+    for skip_start in (False, True):  # through the start batch, else one batch up
         profile = sim.fit(start, first, skip_start)
         if profile is None or profile in tried:
             continue
@@ -315,10 +316,13 @@ def _search_group(sim: Source, cards: list[GPU], start: int, confirm: str,
         top = min(max(bests) + 1, MAX_BATCH)
         if sim.check(profile, top, first):
             return [(best, f"affine, checked at batch {top}") for best in bests]
-        warnings.append(f"{', '.join(c.name for c in cards)}: a full simulation at batch {top} differs from the "
-                        "affine trace")
-    warnings.append(f"{', '.join(c.name for c in cards)}: the step's ops or sizes change with the batch; "
-                    "searched with full simulations")
+        checked.append(top)
+    names = ", ".join(c.name for c in cards)
+    if checked:
+        warnings.append(f"{names}: a full simulation at batch {checked[-1]} differs from the affine trace "
+                        "(the step's ops or sizes change with the batch); searched with full simulations")
+    else:
+        warnings.append(f"{names}: the step's ops or sizes change with the batch; searched with full simulations")
     return [_full_search(sim, card, start, warnings) for card in cards]
 
 

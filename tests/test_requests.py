@@ -71,6 +71,8 @@ BAD = [
     (_req(training={"optimizer": {"name": "lamb"}}), "training.optimizer.name", "'adamw'"),
     (_req(training={"precision": "fp8"}), "training.precision", "'amp-bf16'"),
     (_req(trainig={}), "trainig", "no such field"),
+    (_req(planner={"confirm": "sometimes"}), "planner.confirm", "'every-card'"),
+    (_req(planner={"confirm": 1}), "planner.confirm", "'top'"),
     ([1, 2], "(body)", "JSON object"),
 ]
 
