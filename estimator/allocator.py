@@ -207,14 +207,22 @@ class _Allocator:
 
     # --- malloc / free
     def malloc(self, nbytes: int) -> _Block | None:
-        size = round_size(nbytes)
+        size = KMIN_BLOCK_SIZE if nbytes < KMIN_BLOCK_SIZE else KMIN_BLOCK_SIZE * (
+            (nbytes + KMIN_BLOCK_SIZE - 1) // KMIN_BLOCK_SIZE)  # round_size
         small = size <= KSMALL_SIZE
         if self.cfg.expandable_segments:
             return self._malloc_expandable(small, size)
-        block = self._find(small, size)
-        if block is not None:
-            self._remove(block)
-        else:
+        # _find and _remove in one bisection (the hot path of every replay)
+        pool = self.pools[small]
+        i = bisect.bisect_left(pool, (size, -1))
+        block = None
+        if i < len(pool):
+            bsize, addr = pool[i]
+            max_split = self.max_split
+            if not (size < max_split <= bsize or size >= max_split and bsize >= size + KLARGE_BUFFER):
+                del pool[i]
+                block = self.blocks.pop(addr)
+        if block is None:
             alloc = allocation_size(size)
             block = self._cuda_malloc(small, alloc)
             if block is None and self._release_oversize(small, size):
@@ -236,13 +244,14 @@ class _Allocator:
         if split:
             rest = _Block(block.addr + size, remaining, block.small, block.segment)
             rest.prev = block
-            rest.next = block.next
-            if block.next is not None:
-                block.next.prev = rest
+            nxt = rest.next = block.next
+            if nxt is not None:
+                nxt.prev = rest
             block.next = rest
             block.size = size
-            self._insert(rest)
-            if self.tails.get(block.small) is block:
+            bisect.insort(self.pools[rest.small], (remaining, rest.addr))  # _insert
+            self.blocks[rest.addr] = rest
+            if self.tails[block.small] is block:
                 self.tails[block.small] = rest
         block.allocated = True
         self.allocated += block.size

@@ -301,7 +301,7 @@ def _search_group(sim: Source, cards: list[GPU], start: int, confirm: str,
         profile = sim.profile(start, first)
         if profile is None:
             return [_full_search(sim, card, start, warnings) for card in cards]
-        found = [(_replay_search(sim, profile, card, start), "affine") for card in cards]
+        found = [(best, "affine") for best in _replay_searches(sim, profile, cards, start)]
         if confirm == "every-card" and sim.can_confirm:
             found = [_confirm_card(sim, card, best, start, warnings) for card, (best, _) in zip(cards, found)]
         return found
@@ -312,7 +312,7 @@ def _search_group(sim: Source, cards: list[GPU], start: int, confirm: str,
         if profile is None or profile in tried:
             continue
         tried.append(profile)
-        bests = [_replay_search(sim, profile, card, start) for card in cards]
+        bests = _replay_searches(sim, profile, cards, start)
         top = min(max(bests) + 1, MAX_BATCH)
         if sim.check(profile, top, first):
             return [(best, f"affine, checked at batch {top}") for best in bests]
@@ -326,18 +326,29 @@ def _search_group(sim: Source, cards: list[GPU], start: int, confirm: str,
     return [_full_search(sim, card, start, warnings) for card in cards]
 
 
-def _replay_search(sim: Source, profile: AffineTrace, card: GPU, start: int) -> int:
-    """The max batch on ``card`` by replays of ``profile`` (the step fits at ``start``).
+def _replay_searches(sim: Source, profile: AffineTrace, cards: list[GPU], start: int) -> list[int]:
+    bests, gap = [], 2
+    for card in cards:
+        best, gap = _replay_search(sim, profile, card, start, gap)
+        bests.append(best)
+    return bests
 
-    The requested bytes live at once bound it from above (the allocator's
-    blocks are never smaller than requests), and closely: the allocator
-    frees its cache and retries before it fails, so the answer is usually
-    within a few batches below the bound. Probes gallop down from there.
+
+def _replay_search(sim: Source, profile: AffineTrace, card: GPU, start: int, gap: int = 2) -> tuple[int, int]:
+    """(max batch on ``card`` by replays of ``profile``, how far below the bound it lies); the step fits
+    at ``start``.
+
+    The requested bytes live at once bound the answer from above (the
+    allocator's blocks are never smaller than requests), and closely: the
+    allocator frees its cache and retries before it fails, so the answer is
+    a few batches below the bound, about as far as on the group's previous
+    card (``gap``). Probes gallop out from there.
     """
     capacity, workspace = card.usable_bytes(sim.reserve_bytes), card.cublas_workspace_bytes
     upper = max(profile.live_bound(capacity, workspace, MAX_BATCH), start)
     # upper + 1 cannot fit (or is past MAX_BATCH)
-    return max_batch_between(lambda b: sim.replay_fits(profile, b, card)[0], start, upper + 1, upper)
+    best = max_batch_between(lambda b: sim.replay_fits(profile, b, card)[0], start, upper + 1, upper - gap)
+    return best, upper - best
 
 
 def _full_search(sim: Source, card: GPU, start: int, warnings: list[str]) -> tuple[int | None, str]:
