@@ -62,6 +62,7 @@ def _simulator(request: EstimateRequest, built: BuiltModel | None, progress: Pro
     recipe = recipe_of(request)
     built = built or build(request)
     sim = Simulator(built, recipe, progress, request.planner.reserve_bytes)
+    sim.prefetch(2, cards[0])  # every search needs batch 2 (a fit point, or the start); simulated beside batch 1
     warnings: list[str] = []
     return cards, built, sim, _smallest_batch(sim, cards[0], warnings), warnings
 

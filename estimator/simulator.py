@@ -6,10 +6,12 @@ Both answer the same questions (``report``, ``profile``, ``replay_fits``,
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
 
+from estimator import background
 from estimator.allocator import AllocatorConfig, ReplayResult, replay_sized
 from estimator.errors import SpecError
 from estimator.gpus import GPU
@@ -107,6 +109,7 @@ class Simulator(Replays):
         self.profiles: dict[tuple, AffineTrace | None] = {}  # checked against a third full simulation
         self._fits: dict[tuple, AffineTrace | None] = {}
         self._reports: dict[tuple, MemoryReport] = {}
+        self._pending: dict[tuple, tuple[background.Background, float]] = {}  # prefetched traces being simulated
         self._probe: Trace | None = None  # any trace: what the step asks of a card
 
     def signature(self, gpu: GPU) -> tuple:
@@ -115,12 +118,32 @@ class Simulator(Replays):
             return ("card", gpu.name, gpu.capability, gpu.memory_bytes, gpu.cublas_workspace_bytes)
         return ("shared", backends_key(probe.sdpa_calls, gpu))
 
+    def _record(self, batch: int, gpu: GPU) -> Trace:
+        b = self.built
+        return record_training(b.factory, b.batch_factory, b.loss_fn, batch, self.recipe, gpu,
+                               worst_case=b.worst_case)
+
+    def prefetch(self, batch: int, gpu: GPU) -> None:
+        """Start the full simulation at ``batch`` in a forked child now (estimator/background.py);
+        ``trace`` collects it, or runs it itself if the child fails."""
+        if background.enabled() and (batch, gpu) not in self._pending:
+            self._pending[batch, gpu] = (background.Background(lambda: self._record(batch, gpu)), time.perf_counter())
+
+    def _collect(self, batch: int, gpu: GPU) -> Trace | None:
+        sig = self.signature(gpu)
+        for (b, card), (job, started) in list(self._pending.items()):
+            if b == batch and self.signature(card) == sig:
+                del self._pending[b, card]
+                # as long again as it has run, at least 5 s: the child does what the parent did meanwhile
+                return job.result(timeout=max(5.0, 2 * (time.perf_counter() - started)))
+        return None
+
     def trace(self, batch: int, gpu: GPU) -> Trace:
         key = (batch, self.signature(gpu))
         if key not in self.traces:
-            b = self.built
-            trace = record_training(b.factory, b.batch_factory, b.loss_fn, batch, self.recipe, gpu,
-                                    worst_case=b.worst_case)
+            trace = self._collect(batch, gpu) if self._pending else None
+            if trace is None:
+                trace = self._record(batch, gpu)
             if self._probe is None:
                 self._probe = trace
                 key = (batch, self.signature(gpu))

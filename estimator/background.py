@@ -1,0 +1,112 @@
+"""One function run in a forked child while the parent works on something else.
+
+The planner needs full simulations at two batch sizes before it can do
+anything else; each takes one core for most of a second. The second runs in
+a child forked from the warm process (the model code, torch's kernels and
+the fake-tensor cache are already loaded) and comes back pickled.
+
+>>> job = Background(lambda: record_training(...))               # doctest: +SKIP
+>>> trace = job.result(timeout=5.0) or record_training(...)
+
+Anything unusual and the caller computes the value itself: ``result`` is
+``None`` when fork is unavailable, the child failed or took longer than the
+timeout (then it is killed). The child dies with its parent (Linux
+``PR_SET_PDEATHSIG``), so a service worker killed at its time limit leaves
+nothing running.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import pickle
+import select
+import signal
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+_PR_SET_PDEATHSIG = 1
+
+
+def enabled() -> bool:
+    """Whether a second simulation may run beside the first: more than one core and
+    ``BATCHFIT_PARALLEL`` not ``0``."""
+    return hasattr(os, "fork") and (os.cpu_count() or 1) > 1 and os.environ.get("BATCHFIT_PARALLEL", "1") != "0"
+
+
+class Background:
+    """``fn()`` in a forked child; ``result`` collects it."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.pid: int | None = None
+        self.fd: int | None = None
+        parent = os.getpid()
+        read, write = os.pipe()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # Python 3.12+: fork with threads running
+            pid = os.fork()
+        if pid == 0:  # the child: never returns
+            os.close(read)
+            code = 1
+            try:
+                _die_with(parent)
+                data = pickle.dumps(fn(), protocol=pickle.HIGHEST_PROTOCOL)
+                with os.fdopen(write, "wb") as out:
+                    out.write(data)
+                code = 0
+            except BaseException:  # noqa: BLE001 - the parent computes the value itself
+                pass
+            finally:
+                os._exit(code)
+        os.close(write)
+        self.pid, self.fd = pid, read
+
+    def result(self, timeout: float) -> Any | None:
+        """The child's value, or None: failed, not done within ``timeout`` seconds (killed), or unpicklable."""
+        if self.pid is None:
+            return None
+        try:
+            if not select.select([self.fd], [], [], timeout)[0]:
+                return None
+            with os.fdopen(self.fd, "rb") as src:
+                self.fd = None
+                data = src.read()
+            _, status = os.waitpid(self.pid, 0)
+            self.pid = None
+            if status != 0 or not data:
+                return None
+            return pickle.loads(data)
+        except Exception:  # noqa: BLE001 - the caller computes the value itself
+            return None
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Kill the child if it still runs, and reap it."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        if self.pid is not None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+                os.waitpid(self.pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
+            self.pid = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+def _die_with(parent: int) -> None:
+    """Ask Linux to kill this process when its parent dies; exit now if it already has."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:
+        os._exit(1)

@@ -1,0 +1,100 @@
+"""A simulation in a forked child: the same trace, and nothing left running whatever happens."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from estimator import background
+from estimator.background import Background
+from estimator.gpus import get_gpu
+from estimator.models import build
+from estimator.recipe import Recipe
+from estimator.simulator import Simulator
+from estimator.spec import parse_request
+from estimator.trace import record_training
+
+A100 = get_gpu("A100-80GB")
+
+
+def _alive(pid: int) -> bool:
+    """Running: exists and is not a zombie (an orphan's zombie waits for whoever reaps orphans here)."""
+    try:
+        os.waitpid(pid, os.WNOHANG)  # reap it if it is ours
+    except ChildProcessError:
+        pass
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def test_value_comes_back() -> None:
+    assert Background(lambda: {"sum": sum(range(10))}).result(timeout=30) == {"sum": 45}
+
+
+def test_failure_and_timeout_give_none_and_leave_no_child() -> None:
+    assert Background(lambda: 1 / 0).result(timeout=30) is None
+    slow = Background(lambda: time.sleep(60))
+    pid = slow.pid
+    t0 = time.perf_counter()
+    assert slow.result(timeout=0.5) is None
+    assert time.perf_counter() - t0 < 10
+    assert not _alive(pid)
+
+
+def test_child_dies_with_its_parent(tmp_path) -> None:
+    """A service worker killed at its time limit takes its background simulation with it."""
+    script = tmp_path / "parent.py"
+    script.write_text(textwrap.dedent("""
+        import sys, time
+        from estimator.background import Background
+        job = Background(lambda: time.sleep(120))
+        print(job.pid, flush=True)
+        time.sleep(120)
+    """))
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                              cwd=os.path.dirname(os.path.dirname(__file__)))
+    child = int(parent.stdout.readline())
+    assert _alive(child)
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    parent.stdout.close()
+    deadline = time.time() + 10
+    while _alive(child) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not _alive(child)
+
+
+def test_prefetched_trace_equals_one_simulated_here(monkeypatch) -> None:
+    monkeypatch.setenv("BATCHFIT_PARALLEL", "1")
+    if not background.enabled():
+        pytest.skip("one core: no background simulations")  # never on CI's machines (2 cores)
+    built = build(parse_request({"model": {"source": "torchvision", "name": "resnet18"},
+                                 "input": {"image_size": [3, 64, 64]}}))
+    sim = Simulator(built, Recipe())
+    sim.prefetch(2, A100)
+    sim.trace(1, A100)
+    assert sim._pending  # not collected until asked for
+    fetched = sim.trace(2, A100)
+    assert not sim._pending and sim.simulations == 2
+    here = record_training(built.factory, built.batch_factory, built.loss_fn, 2, Recipe(), A100)
+    assert fetched.events == here.events
+    assert [(a.nbytes, a.category, a.op, a.phase, a.module) for a in fetched.allocations] == \
+        [(a.nbytes, a.category, a.op, a.phase, a.module) for a in here.allocations]
+    assert fetched.flops == here.flops and fetched.sdpa_calls == here.sdpa_calls
+
+
+def test_switched_off(monkeypatch) -> None:
+    monkeypatch.setenv("BATCHFIT_PARALLEL", "0")
+    assert not background.enabled()
+    sim = Simulator(build(parse_request({"model": {"source": "torchvision", "name": "resnet18"}})), Recipe())
+    sim.prefetch(2, A100)
+    assert not sim._pending
