@@ -91,7 +91,7 @@ class Simulator(Replays):
 
     A trace depends on the card only through the attention backends its
     SDPA calls get, unless the step asked torch.cuda about the card (then it
-    is the card's own). The cuBLAS workspace (4 MiB, 32 MiB on Hopper) is one
+    is the card's own). The cuBLAS workspace (8 MiB + 128 KiB, 32 MiB on Hopper) is one
     allocation of category ``workspace`` whose size each report takes from
     its card.
     """
