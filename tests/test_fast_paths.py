@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import estimator.virtual_gpu as vgpu
+import estimator.virtual_gpu.fake_mode as fake_mode
 from estimator.gpus import get_gpu
 from estimator.models import build
 from estimator.recipe import Recipe
@@ -43,7 +43,7 @@ def test_foreach_shortcut(optimizer, kwargs, model, precision, monkeypatch) -> N
     mf, bf, lf = ZOO[model]
     recipe = Recipe(optimizer=optimizer, optimizer_kwargs=kwargs, precision=precision)
     fast = record_training(mf, bf, lf, 4, recipe, A100)
-    monkeypatch.setattr(vgpu, "_FOREACH_ELEMENTWISE", frozenset())
+    monkeypatch.setattr(fake_mode, "_FOREACH_ELEMENTWISE", frozenset())
     _same(fast, record_training(mf, bf, lf, 4, recipe, A100))
 
 
@@ -62,8 +62,8 @@ def test_batch_norm_and_cache_key_shortcuts(model, precision, monkeypatch) -> No
     b = build(parse_request({"model": model, "input": inp}))
     recipe = Recipe(precision=precision)
     fast = [record_training(b.factory, b.batch_factory, b.loss_fn, n, recipe, A100) for n in (3, 5)]
-    monkeypatch.setattr(vgpu, "FAST_BATCH_NORM", False)
-    monkeypatch.setattr(vgpu, "FAST_CACHE_KEYS", False)
+    monkeypatch.setattr(fake_mode, "FAST_BATCH_NORM", False)
+    monkeypatch.setattr(fake_mode, "FAST_CACHE_KEYS", False)
     for n, trace in zip((3, 5), fast):
         _same(trace, record_training(b.factory, b.batch_factory, b.loss_fn, n, recipe, A100))
 
@@ -76,7 +76,7 @@ def test_cudnn_batch_norm_outputs(dtype, weight_low, shape, channels_last, monke
     wdt = dtype if weight_low else torch.float32
     results = {}
     for fast in (True, False):
-        monkeypatch.setattr(vgpu, "FAST_BATCH_NORM", fast)
+        monkeypatch.setattr(fake_mode, "FAST_BATCH_NORM", fast)
         with VirtualGPU(A100):
             x = torch.empty(shape, device="cuda", dtype=dtype)
             if channels_last:

@@ -20,8 +20,7 @@ from typing import Any
 import torch
 import torch.optim.optimizer as _optim
 import torch.utils.checkpoint
-from torch._prims_common import is_non_overlapping_and_dense_or_false as is_non_overlapping_and_dense
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, _BypassDispatchCache
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._mode_utils import no_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -31,152 +30,9 @@ from estimator.virtual_gpu.worst_case import WorstCase
 from estimator.virtual_gpu.attention import make_sdpa
 from estimator.virtual_gpu.device import DeviceProperties, Patches, patch_cuda_queries
 from estimator.virtual_gpu.engine import Engine, SavedTensors, TensorHooks
+from estimator.virtual_gpu.fake_mode import FakeMode
 
 Observer = Callable[[Any, tuple, dict, Any], None]
-
-
-# torch._foreach_* ops whose i-th output has the i-th input's shape, dtype and layout.
-_FOREACH_ELEMENTWISE = frozenset({
-    "add", "sub", "mul", "div", "addcmul", "addcdiv", "lerp", "sqrt", "neg", "abs", "reciprocal", "exp",
-    "sign", "maximum", "minimum", "clamp_min", "clamp_max", "zero", "copy",
-})
-
-
-# Switches for tests: whether _FakeMode builds its dispatch-cache keys the fast way, and makes
-# cuDNN batch norm's outputs itself.
-FAST_CACHE_KEYS = True
-FAST_BATCH_NORM = True
-_CUDNN_BN_BACKWARD = torch.ops.aten.cudnn_batch_norm_backward.default
-_BATCH_NORM_OPS = frozenset({torch.ops.aten.cudnn_batch_norm.default, _CUDNN_BN_BACKWARD})
-
-
-def _plain_fake(mode, t) -> bool:
-    """A strided fake tensor of ``mode`` on the device, without a constant or symbolic sizes."""
-    return (type(t) is FakeTensor and t.fake_mode is mode and t.constant is None and t.layout == torch.strided
-            and t.device.type != "cpu" and not t._has_symbolic_sizes_strides)
-_PLAIN_KEY_TYPES = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
-                              torch.memory_format})
-
-
-class _FakeMode(FakeTensorMode):
-    """FakeTensorMode that never initializes a device, even though
-    ``torch.cuda.is_available()`` answers True inside the virtual GPU."""
-
-    @property
-    def avoid_device_init(self) -> bool:
-        return True
-
-    def _cached_dispatch_impl(self, func, types, args, kwargs):
-        if func in _BATCH_NORM_OPS and FAST_BATCH_NORM:
-            out = self._cudnn_batch_norm(func, args, kwargs)
-            if out is not NotImplemented:
-                return out
-        if func.__name__.startswith("_foreach_"):
-            out = self._foreach_elementwise(func, args, kwargs)
-            if out is not NotImplemented:
-                return out
-            return self._dispatch_impl(func, types, args, kwargs)
-        return super()._cached_dispatch_impl(func, types, args, kwargs)
-
-    def _new(self, shape, stride, dtype, device) -> FakeTensor:
-        return FakeTensor(self, torch.empty_strided(shape, stride, dtype=dtype, device="meta"), device)
-
-    def _cudnn_batch_norm(self, func, args, kwargs):
-        """cuDNN batch norm's outputs as torch's fake kernel makes them, without running its Python
-        decomposition (about 10 ms per new input shape, most of a fresh trace of a ResNet): the
-        output (and grad_input) like the input, per-channel statistics and gradients, an empty
-        reserve. NotImplemented (the general path) for anything unusual."""
-        if kwargs or len(args) < 8:
-            return NotImplemented
-        x, weight = args[0], args[2] if func is _CUDNN_BN_BACKWARD else args[1]
-        if not (_plain_fake(self, x) and _plain_fake(self, weight)) or x.dim() < 2 \
-                or not is_non_overlapping_and_dense(x) or weight.shape != (x.shape[1],):
-            return NotImplemented
-        channels, device = x.shape[1], x.device
-        if func is _CUDNN_BN_BACKWARD:
-            grad_out = args[1]
-            if not _plain_fake(self, grad_out) or grad_out.shape != x.shape or grad_out.stride() != x.stride() \
-                    or grad_out.dtype != x.dtype:
-                return NotImplemented
-            return (self._new(x.shape, x.stride(), x.dtype, device),
-                    self._new((channels,), (1,), weight.dtype, device),
-                    self._new((channels,), (1,), weight.dtype, device))
-        training = args[5]
-        stats = ((channels,), torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype) \
-            if training else ((0,), weight.dtype)
-        return (self._new(x.shape, x.stride(), x.dtype, device),
-                self._new(stats[0], (1,), stats[1], device),
-                self._new(stats[0], (1,), stats[1], device),
-                self._new((0,), (1,), torch.uint8, device))
-
-    def _foreach_elementwise(self, func, args, kwargs):
-        """An optimizer's elementwise foreach op on device tensors, without running each tensor's
-        Python meta function (the cost of a fake optimizer step): in place it allocates nothing, out
-        of place one tensor like each of the first list's. NotImplemented when unsure (mixed dtypes,
-        shapes or layouts at an index, CPU tensors that carry constants): the general path decides."""
-        name = func._overloadpacket.__name__.removeprefix("_foreach_")
-        inplace = name.endswith("_")
-        if name.rstrip("_") not in _FOREACH_ELEMENTWISE:
-            return NotImplemented
-        lists = [a for a in list(args) + list(kwargs.values()) if isinstance(a, (list, tuple))
-                 and a and isinstance(a[0], torch.Tensor)]
-        if not lists:
-            return NotImplemented
-        first = lists[0]
-        for tensors in lists:
-            if len(tensors) != len(first):
-                return NotImplemented
-            for t, f in zip(tensors, first):
-                if (not isinstance(t, FakeTensor) or t.fake_mode is not self or t.device.type == "cpu"
-                        or t.dtype != f.dtype or t.shape != f.shape or t.stride() != f.stride()):
-                    return NotImplemented
-        for a in list(args) + list(kwargs.values()):  # loose tensors: only scalar-like ones
-            if isinstance(a, torch.Tensor) and a.dim() > 1:
-                return NotImplemented
-        if inplace:
-            return None
-        if not first[0].is_floating_point():  # an integer list times a float scalar is promoted
-            return NotImplemented
-        out = []
-        for t in first:
-            meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-            out.append(FakeTensor(self, meta, t.device))
-        return out
-
-    def _prep_args_for_hash(self, result, args, state, id_hashed_objects):
-        """torch's cache key, cheaper for the common case: a plain strided fake tensor of this mode
-        becomes one tuple of the metadata that decides an op's outputs (shape, strides, storage,
-        flags; the memory format torch also records follows from the strides). Everything else
-        goes through torch's own translation."""
-        if not FAST_CACHE_KEYS or isinstance(args, dict):
-            return super()._prep_args_for_hash(result, args, state, id_hashed_objects)
-        if isinstance(args, (list, tuple)):
-            result.append(type(args))
-            result.append(len(args))
-        for arg in args:
-            kind = type(arg)
-            if kind in _PLAIN_KEY_TYPES:
-                result.append(kind)
-                result.append(arg)
-            elif kind is FakeTensor and arg.fake_mode is self and arg.constant is None \
-                    and arg.layout == torch.strided and not arg._has_symbolic_sizes_strides and not arg.is_mkldnn:
-                result.append((arg.dtype, tuple(arg.shape), arg.stride(), arg.device, arg.storage_offset(),
-                               arg.untyped_storage().nbytes(), arg.requires_grad, arg.is_conj(), arg.is_neg(),
-                               arg.is_inference(), arg.is_quantized))
-            elif kind in (list, tuple):
-                self._prep_args_for_hash(result, arg, state, id_hashed_objects)
-            else:
-                super()._prep_args_for_hash(result, (arg,), state, id_hashed_objects)
-
-    def _make_cache_entry(self, state, key, func, args, kwargs, output):
-        # A cache hit rebuilds each output with its own storage, so outputs
-        # that share one (mkldnn_rnn_layer_backward's two bias grads) would
-        # cost an extra allocation from the second call on. Bypass those.
-        if isinstance(output, (tuple, list)):
-            storages = [t.untyped_storage()._cdata for t in output if isinstance(t, torch.Tensor)]
-            if len(storages) != len(set(storages)):
-                raise _BypassDispatchCache("outputs share a storage")
-        return super()._make_cache_entry(state, key, func, args, kwargs, output)
 
 
 class _DispatchMode(TorchDispatchMode):
@@ -234,7 +90,7 @@ class VirtualGPU:
         self.max_memory_allocated: Callable[[], int] = lambda: 0
         self.reset_peak: Callable[[], None] = lambda: None
         self._patches = Patches()
-        self._fake: _FakeMode | None = None
+        self._fake: FakeMode | None = None
         self._mode: _DispatchMode | None = None
         self._hooks_ctx = None
         self._autocast_state: tuple | None = None
@@ -270,7 +126,7 @@ class VirtualGPU:
                 # DESIGN fact 6: FakeTensor is not a foreach type, so optimizers
                 # would take the single-tensor path a real GPU never takes.
                 p.set(_optim, "_foreach_supported_types", list(_optim._foreach_supported_types) + [FakeTensor])
-            self._fake = _FakeMode(allow_non_fake_inputs=True)
+            self._fake = FakeMode(allow_non_fake_inputs=True)
             self._fake.__enter__()
             self._mode = _DispatchMode(self)
             self._mode.__enter__()
