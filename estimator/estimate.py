@@ -306,13 +306,8 @@ def _search_group(sim: Source, cards: list[GPU], start: int, confirm: str,
         if confirm == "every-card" and sim.can_confirm:
             found = [_confirm_card(sim, card, best, start, warnings) for card, (best, _) in zip(cards, found)]
         return found
-    tried: list[AffineTrace] = []
     checked: list[int] = []
-    for skip_start in (False, True):  # through the start batch, else one batch up
-        profile = sim.fit(start, first, skip_start)
-        if profile is None or profile in tried:
-            continue
-        tried.append(profile)
+    for profile in sim.candidates(start, first):
         bests = _replay_searches(sim, profile, cards, start)
         top = min(max(bests) + 1, MAX_BATCH)
         if sim.check(profile, top, first):
@@ -348,7 +343,7 @@ def _replay_search(sim: Source, profile: AffineTrace, card: GPU, start: int, gap
     capacity, workspace = card.usable_bytes(sim.reserve_bytes), card.cublas_workspace_bytes
     upper = max(profile.live_bound(capacity, workspace, MAX_BATCH), start)
     # upper + 1 cannot fit (or is past MAX_BATCH)
-    best = max_batch_between(lambda b: sim.replay_fits(profile, b, card)[0], start, upper + 1, upper - gap)
+    best = max_batch_between(lambda b: sim.replay(profile, b, card).fits, start, upper + 1, upper - gap)
     return best, upper - best
 
 

@@ -59,9 +59,13 @@ class AffineTrace:
     def _workspaces(self) -> list[int]:
         return [i for i, c in enumerate(self.categories) if c == "workspace"]
 
+    @cached_property
+    def _fronts(self) -> dict[int, list[tuple[int, int]]]:
+        return {}
+
     def _front(self, workspace: int) -> list[tuple[int, int]]:
         """(per-sample, constant) bytes live after each allocation, only the lines that can be the largest."""
-        fronts = self.__dict__.setdefault("_fronts", {})
+        fronts = self._fronts
         if workspace not in fronts:
             points = set()
             c = k = 0

@@ -102,28 +102,12 @@ def report_from_trace(
             list(trace.unsupported), list(trace.assumptions), trace,
         )
 
-    def where(k: int) -> tuple[str, str, int]:
-        a = trace.allocations[k]
-        return a.phase, a.module, a.iteration
-
-    return report_from_sizes(trace.events, trace.sizes(gpu.cublas_workspace_bytes), trace.categories(), batch_size,
-                             gpu, where, trace.unsupported, trace.assumptions, allocator, reserve_bytes, trace)
-
-
-def report_from_sizes(
-    events: list[tuple[bool, int]], sizes: list[int], categories: list[str], batch_size: int, gpu: GPU,
-    where: Callable[[int], tuple[str, str, int]], unsupported: list[str], assumptions: list[str],
-    allocator: AllocatorConfig | None = None, reserve_bytes: int = 0, trace: Trace | None = None,
-) -> MemoryReport:
-    """``report_from_trace`` for a step given as events over sized allocations (a synthesized step too);
-    ``where(k)`` names allocation k's place."""
     allocator = allocator or AllocatorConfig()
-    capped = replay_sized(events, sizes, categories, replace(allocator, capacity=gpu.usable_bytes(reserve_bytes)),
-                          timelines=False)
-    unlimited = capped if capped.fits else replay_sized(events, sizes, categories,
-                                                        replace(allocator, capacity=None), timelines=False)
-    return report_from_replays(capped, unlimited, events, batch_size, gpu, where, unsupported, assumptions,
-                               reserve_bytes, trace)
+    sized = trace.events, trace.sizes(gpu.cublas_workspace_bytes), trace.categories()
+    capped = replay_sized(*sized, replace(allocator, capacity=gpu.usable_bytes(reserve_bytes)), timelines=False)
+    unlimited = capped if capped.fits else replay_sized(*sized, replace(allocator, capacity=None), timelines=False)
+    return report_from_replays(capped, unlimited, trace.events, batch_size, gpu, trace.where, trace.unsupported,
+                               trace.assumptions, reserve_bytes, trace)
 
 
 def report_from_replays(

@@ -1,13 +1,13 @@
 """Where a card's answers come from: full simulations, or a portable profile.
 
-Both answer the same questions (``report``, ``profile``, ``replay_fits``,
+Both answer the same questions (``report``, ``profile``, ``replay``,
 ``flops``) so the planner and ``estimate`` do not care which they ask.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -68,16 +68,11 @@ class Replays:
                 self._unlimited[key] = r
         return self._capped[key, cap]
 
-    def replay_fits(self, profile: AffineTrace, batch: int, gpu: GPU) -> tuple[bool, int]:
-        """(fits, allocated peak) of the synthesized step at ``batch``: one allocator replay, no simulation."""
-        r = self.replay(profile, batch, gpu)
-        return r.fits, r.allocated_peak
-
-    def step_report(self, step: Step, batch: int, gpu: GPU, where, unsupported: list[str],
+    def step_report(self, step: Step, batch: int, gpu: GPU, unsupported: list[str],
                     assumptions: list[str]) -> MemoryReport:
         capped = self.replay(step, batch, gpu)
         unlimited = capped if capped.fits else self.replay(step, batch, gpu, capped=False)
-        return report_from_replays(capped, unlimited, step.events, batch, gpu, where, unsupported, assumptions,
+        return report_from_replays(capped, unlimited, step.events, batch, gpu, step.where, unsupported, assumptions,
                                    self.reserve_bytes, step if isinstance(step, Trace) else None)
 
 
@@ -157,12 +152,7 @@ class Simulator(Replays):
         key = (batch, gpu)
         if key not in self._reports:
             trace = self.trace(batch, gpu)
-
-            def where(k: int) -> tuple[str, str, int]:
-                a = trace.allocations[k]
-                return a.phase, a.module, a.iteration
-
-            self._reports[key] = self.step_report(trace, batch, gpu, where, trace.unsupported, trace.assumptions)
+            self._reports[key] = self.step_report(trace, batch, gpu, trace.unsupported, trace.assumptions)
         return self._reports[key]
 
     def fit(self, start: int, gpu: GPU, skip_start: bool = False) -> AffineTrace | None:
@@ -184,6 +174,18 @@ class Simulator(Replays):
             self._fits[key] = found
         return self._fits[key]
 
+    def candidates(self, start: int, gpu: GPU) -> Iterator[AffineTrace]:
+        """The fits to try, in order: through ``start`` (``fit``), then one batch up if that differs.
+        A fit through ``start`` can pass ``fit``'s own test yet be off at other batches when the step
+        takes other paths at ``start``; only a check against a third simulation tells. Lazy: the
+        second fit (and its simulation at ``start + 2``) only when the first is rejected."""
+        first = self.fit(start, gpu)
+        if first is not None:
+            yield first
+        second = self.fit(start, gpu, skip_start=True)
+        if second is not None and second != first:
+            yield second
+
     def check(self, profile: AffineTrace, batch: int, gpu: GPU) -> bool:
         """Whether a full simulation at ``batch`` records exactly the step ``profile`` synthesizes there;
         when it does, ``profile`` answers ``report_fast`` for the card's signature from then on."""
@@ -197,13 +199,7 @@ class Simulator(Replays):
         not affine in the batch."""
         sig = self.signature(gpu)
         if sig not in self.profiles:
-            found = self.fit(start, gpu)
-            check = start + 1 + CHECK_OFFSET
-            ok = found is not None and self.check(found, check, gpu)
-            if not ok and found is not None and found.min_batch == start:
-                found = self.fit(start, gpu, skip_start=True)
-                ok = found is not None and self.check(found, check, gpu)
-            if not ok:
+            if not any(self.check(p, start + 1 + CHECK_OFFSET, gpu) for p in self.candidates(start, gpu)):
                 self.profiles[sig] = None
         return self.profiles[sig]
 
@@ -217,7 +213,7 @@ class Simulator(Replays):
             return self.report(batch, gpu)
         key = (batch, gpu)
         if key not in self._reports:
-            self._reports[key] = self.step_report(profile, batch, gpu, profile.where, self._probe.unsupported,
+            self._reports[key] = self.step_report(profile, batch, gpu, self._probe.unsupported,
                                                   self._probe.assumptions)
         return self._reports[key]
 
@@ -247,7 +243,6 @@ class ProfileReplayer(Replays):
         self.reserve_bytes = reserve_bytes
         self.calls = [SdpaCall(getattr(torch, c["dtype"].removeprefix("torch.")), c["dim"], tuple(c["head_dims"]),
                                c["has_mask"], c["requires_grad"]) for c in profile.sdpa_calls]
-        self.profiles: dict[str, AffineTrace] = profile.steps
 
     def signature(self, gpu: GPU) -> str:
         key = backends_key(self.calls, gpu)
@@ -262,7 +257,7 @@ class ProfileReplayer(Replays):
     def report(self, batch: int, gpu: GPU) -> MemoryReport:
         key = self.signature(gpu)
         step = self.doc.first_steps[key] if batch == self.doc.start else self.doc.steps[key]
-        return self.step_report(step, batch, gpu, step.where, [], self.doc.assumptions)
+        return self.step_report(step, batch, gpu, [], self.doc.assumptions)
 
     report_fast = report
 

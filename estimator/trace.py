@@ -67,18 +67,21 @@ class Trace:
     sdpa_calls: list = field(default_factory=list)  # what the card-dependent attention choices read
     card_queries: list[str] = field(default_factory=list)  # torch.cuda queries the step made
 
-    def sizes(self, workspace: int | None = None) -> list[int]:
-        """Each allocation's bytes; the cuBLAS workspace as ``workspace`` when given (another card's)."""
-        if workspace is None:
-            return [a.nbytes for a in self.allocations]
+    def sizes(self, workspace: int) -> list[int]:
+        """Each allocation's bytes, the cuBLAS workspace as ``workspace`` (the card's own: a trace is shared)."""
         return [workspace if a.category == "workspace" else a.nbytes for a in self.allocations]
 
     def categories(self) -> list[str]:
         return [a.category for a in self.allocations]
 
-    def allocator_events(self, workspace: int | None = None) -> list[Event]:
-        sizes, allocs = self.sizes(workspace), self.allocations
-        return [Event(a, k, sizes[k], allocs[k].category) for a, k in self.events]
+    def where(self, k: int) -> tuple[str, str, int]:
+        """(phase, module, iteration) of allocation ``k``, as a report names the peak."""
+        a = self.allocations[k]
+        return a.phase, a.module, a.iteration
+
+    def allocator_events(self) -> list[Event]:
+        allocs = self.allocations
+        return [Event(a, k, allocs[k].nbytes, allocs[k].category) for a, k in self.events]
 
     def live_peak(self) -> tuple[int, int]:
         """(peak of live requested bytes, event index): what a profiler of the raw allocator sees."""

@@ -100,8 +100,8 @@ class FakeMode(FakeTensorMode):
         inplace = name.endswith("_")
         if name.rstrip("_") not in _FOREACH_ELEMENTWISE:
             return NotImplemented
-        lists = [a for a in list(args) + list(kwargs.values()) if isinstance(a, (list, tuple))
-                 and a and isinstance(a[0], torch.Tensor)]
+        every = list(args) + list(kwargs.values())
+        lists = [a for a in every if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
         if not lists:
             return NotImplemented
         first = lists[0]
@@ -112,18 +112,14 @@ class FakeMode(FakeTensorMode):
                 if (not isinstance(t, FakeTensor) or t.fake_mode is not self or t.device.type == "cpu"
                         or t.dtype != f.dtype or t.shape != f.shape or t.stride() != f.stride()):
                     return NotImplemented
-        for a in list(args) + list(kwargs.values()):  # loose tensors: only scalar-like ones
+        for a in every:  # loose tensors: only scalar-like ones
             if isinstance(a, torch.Tensor) and a.dim() > 1:
                 return NotImplemented
         if inplace:
             return None
         if not first[0].is_floating_point():  # an integer list times a float scalar is promoted
             return NotImplemented
-        out = []
-        for t in first:
-            meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-            out.append(FakeTensor(self, meta, t.device))
-        return out
+        return [self._new(t.shape, t.stride(), t.dtype, t.device) for t in first]
 
     def _prep_args_for_hash(self, result, args, state, id_hashed_objects):
         """torch's cache key, cheaper for the common case: a plain strided fake tensor of this mode
