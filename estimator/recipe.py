@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map_only
 
 from estimator.errors import SpecError
 
@@ -61,3 +62,31 @@ class Recipe:
     @property
     def uses_grad_scaler(self) -> bool:
         return self.precision == "amp-fp16"
+
+    def forward_inputs(self, inputs: Any, keep: tuple[int | str, ...] = ()) -> Any:
+        """The model's inputs as the forward gets them: in pure bf16, every floating tensor cast to bf16.
+
+        As Lightning's ``bf16-true`` (``HalfPrecision.convert_input``, which
+        applies ``_convert_fp_tensor`` through nested lists and dicts):
+        floating tensors, detection boxes among them, become bf16; token
+        ids and labels stay integers. The fp32 batch the loader made stays
+        alive beside the copy, as Fabric's loop variable keeps it; outputs
+        are not cast back (the Trainer's ``convert_output`` is a no-op).
+        ``keep``: positions or keys of ``inputs`` left as they are
+        (torchvision's detection targets: its ``roi_heads.check_targets``
+        refuses bf16 boxes, so a run that works keeps them fp32).
+
+        >>> Recipe(precision="bf16").forward_inputs({"x": torch.zeros(1), "ids": torch.zeros(1, dtype=torch.long)})
+        {'x': tensor([0.], dtype=torch.bfloat16), 'ids': tensor([0])}
+        """
+        if self.precision != "bf16":
+            return inputs
+
+        def cast(part: Any) -> Any:
+            return tree_map_only(torch.Tensor, lambda t: t.to(self.param_dtype) if t.is_floating_point() else t, part)
+
+        if isinstance(inputs, dict):
+            return {k: v if k in keep else cast(v) for k, v in inputs.items()}
+        if isinstance(inputs, (tuple, list)):
+            return type(inputs)(v if i in keep else cast(v) for i, v in enumerate(inputs))
+        return cast(inputs)

@@ -370,7 +370,8 @@ def _run(vgpu, recorder, meta_model, batch_factory, loss_fn, batch_size, recipe)
                 recorder.phase = "input"
                 batch = _call("input", lambda: batch_factory(batch_size, vgpu.device), recorder)
                 inputs, targets = batch
-                loss = _forward(vgpu, recorder, model, inputs, targets, loss_fn, recipe)
+                loss = _forward(vgpu, recorder, model, inputs, targets, loss_fn, recipe,
+                                getattr(batch_factory, "keep_dtype", ()))
                 recorder.phase = "backward"
                 recorder.snapshot_survivors()
                 if recipe.grad_accumulation_steps > 1:
@@ -395,10 +396,11 @@ def _run(vgpu, recorder, meta_model, batch_factory, loss_fn, batch_size, recipe)
         del batch
 
 
-def _forward(vgpu, recorder, model, inputs, targets, loss_fn, recipe) -> torch.Tensor:
+def _forward(vgpu, recorder, model, inputs, targets, loss_fn, recipe, keep=()) -> torch.Tensor:
     vgpu.autocast(recipe.autocast_dtype)
     try:
         recorder.phase = "forward"
+        inputs = _call("forward", lambda: recipe.forward_inputs(inputs, keep), recorder)
         if isinstance(inputs, dict):
             out = _call("forward", lambda: model(**inputs), recorder)
         elif isinstance(inputs, (tuple, list)):

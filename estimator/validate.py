@@ -216,6 +216,8 @@ def _child(doc: dict[str, Any]) -> Measurement:
             optimizer.zero_grad(set_to_none=recipe.zero_grad_set_to_none)
             for _ in range(recipe.grad_accumulation_steps):
                 inputs, targets = built.batch_factory(batch, torch.device("cuda"))
+                batch_inputs, inputs = inputs, recipe.forward_inputs(
+                    inputs, getattr(built.batch_factory, "keep_dtype", ()))  # the fp32 batch stays alive
                 with torch.autocast("cuda", dtype=recipe.autocast_dtype or torch.float32,
                                     enabled=recipe.autocast_dtype is not None):
                     out = model(**inputs) if isinstance(inputs, dict) else (
@@ -225,7 +227,7 @@ def _child(doc: dict[str, Any]) -> Measurement:
                 if recipe.grad_accumulation_steps > 1:
                     loss = loss / recipe.grad_accumulation_steps
                 (scaler.scale(loss) if scaler else loss).backward()
-                del loss, inputs, targets
+                del loss, inputs, targets, batch_inputs
             if scaler:
                 scaler.step(optimizer)
                 scaler.update()

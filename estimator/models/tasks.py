@@ -3,7 +3,9 @@
 A batch factory is ``make(batch_size, device) -> (inputs, targets)``; inputs
 are a tensor, a tuple (positional) or a dict (keyword arguments). Values are
 zeros: memory does not depend on them, and token id 0 / class 0 exist in
-every vocabulary and label set.
+every vocabulary and label set. A factory's ``keep_dtype`` attribute names
+the positions or keys of ``inputs`` that pure bf16 leaves in their dtype
+(``Recipe.forward_inputs``).
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ def detection(channels: int, height: int, width: int, objects: int, keypoints: i
                 t["keypoints"] = torch.zeros(objects, keypoints, 3, device=device)  # (N, K, [x, y, visible])
             targets.append(t)
         return (images, targets), None
+    make.keep_dtype = (1,)  # torchvision's roi_heads.check_targets refuses bf16 boxes
     return make
 
 
