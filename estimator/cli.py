@@ -147,18 +147,48 @@ def _plot(args: argparse.Namespace, response) -> None:
     draw_timeline(events, phases, f"batch {batch} on {first.gpu}", args.plot)
 
 
+def _gib(m) -> str:
+    return "-" if m is None else f"{m.device_peak_bytes / GIB:.2f}"
+
+
 def _table(r) -> None:
-    print(f"{'gpu':<24} {'memory GiB':>10} {'max batch':>10} {'recommended':>12} {'at batch':>9} "
-          f"{'device peak GiB':>16} {'fits':>5}")
-    for g in r.results:
+    """One row per card: both batches and their device peaks; time, accumulation and LR when asked for."""
+    rows = r.results
+    timed = any(g.step_seconds is not None for g in rows)
+    epochs = any(g.epoch_seconds is not None for g in rows)
+    accumulated = any(g.accumulation is not None for g in rows)
+    advised = any(g.learning_rate is not None for g in rows)
+    head = (f"{'gpu':<24} {'memory GiB':>10} {'max batch':>10} {'recommended':>12} {'at batch':>9} "
+            f"{'device peak GiB':>16} {'at max':>7} {'at rec':>7}")
+    head += f" {'step s':>8}" if timed else ""
+    head += f" {'epoch s':>9}" if epochs else ""
+    head += f" {'micro x steps x ranks':>22}" if accumulated else ""
+    head += f" {'lr':>10}" if advised else ""
+    print(head + f" {'fits':>5}")
+    for g in rows:
         m = g.memory
-        print(f"{g.gpu:<24} {g.capacity_bytes / GIB:>10.1f} {str(g.max_batch_size):>10} "
-              f"{str(g.recommended_batch_size):>12} {m.batch_size:>9} {m.device_peak_bytes / GIB:>16.2f} "
-              f"{'yes' if m.fits else 'NO':>5}")
+        line = (f"{g.gpu:<24} {g.capacity_bytes / GIB:>10.1f} {str(g.max_batch_size):>10} "
+                f"{str(g.recommended_batch_size):>12} {m.batch_size:>9} {m.device_peak_bytes / GIB:>16.2f} "
+                f"{_gib(g.max_memory):>7} {_gib(g.recommended_memory):>7}")
+        if timed:
+            line += f" {'-' if g.step_seconds is None else f'{g.step_seconds:.3f}':>8}"
+        if epochs:
+            line += f" {'-' if g.epoch_seconds is None else f'{g.epoch_seconds:.0f}':>9}"
+        if accumulated:
+            a = g.accumulation
+            plan = "-" if a is None else f"{a.micro_batch} x {a.steps} x {a.ranks} = {a.global_batch}"
+            line += f" {plan:>22}"
+        if advised:
+            line += f" {'-' if g.learning_rate is None else f'{g.learning_rate.lr:.3g}':>10}"
+        print(line + f" {'yes' if m.fits else 'NO':>5}")
+    lr = next((g.learning_rate for g in rows if g.learning_rate is not None), None)
+    if lr is not None:
+        print(f"\nlearning rate: {lr.rule} scaling; {lr.why}; warm-up: {lr.warmup}")
     b = r.breakdown
     print(f"\nat the peak (batch {b.batch_size}, first card), GiB: parameters {b.parameters / GIB:.2f}, "
           f"gradients {b.gradients / GIB:.2f}, optimizer state {b.optimizer_state / GIB:.2f}, "
-          f"activations {b.activations / GIB:.2f}, temporaries {b.temporaries / GIB:.2f}, inputs {b.inputs / GIB:.2f}")
+          f"activations {b.activations / GIB:.2f}, temporaries {b.temporaries / GIB:.2f}, inputs {b.inputs / GIB:.2f}, "
+          f"workspace {b.workspace / GIB:.2f}")
     print(f"per sample {r.per_sample_bytes / 2**20:.1f} MiB, fixed {r.fixed_bytes / GIB:.2f} GiB, "
           f"{r.parameter_count:,} parameters, {r.provenance.simulations} simulations in {r.provenance.seconds:.1f} s")
     for line in r.assumptions:

@@ -19,8 +19,8 @@ from estimator.errors import BatchTooSmallError, SpecError
 from estimator.gpus import CATALOG, CATALOG_VERSION, GPU, MIB, custom_gpu, get_gpu
 from estimator.models import BuiltModel, build
 from estimator.planner import (
-    MAX_BATCH, accumulation_plan, curve_batches, lr_advice, max_batch, max_batch_between, recommended,
-    step_seconds,
+    MAX_BATCH, accumulation_plan, curve_batches, headroom_batch, lr_advice, max_batch, max_batch_between,
+    recommended, step_seconds,
 )
 from estimator.profile import AffineTrace, PortableProfile, concrete
 from estimator.recipe import Recipe
@@ -229,16 +229,25 @@ def _answer(source: Source, request: EstimateRequest, cards: list[GPU], start: i
         for line in report.assumptions:
             if line not in assumptions:
                 assumptions.append(line)
+        rec = _recommend(source, card, start, best, plan)
+        if best is not None and rec is None:
+            warnings.append(f"{card.name}: batch {start} fits but leaves less than {plan.headroom:.0%} of the "
+                            "usable memory free; no batch is recommended")
         result = GPUResult(gpu=card.name, capacity_bytes=card.memory_bytes, min_batch_size=start,
-                           max_batch_size=best, recommended_batch_size=recommended(best, plan.align),
-                           search=how, memory=_memory(report))
+                           max_batch_size=best, recommended_batch_size=rec, search=how, memory=_memory(report),
+                           max_memory=None if best is None else _memory(source.report_fast(best, card)),
+                           recommended_memory=None if rec is None else _memory(source.report_fast(rec, card)))
         _advise(result, source, card, start, request, resolved_input)
         results.append(result)
         shown = shown or report
     assumptions.append(f"safety margin: {plan.reserve_bytes // 2**20} MiB kept free on every card besides the "
                        "CUDA context (context sizes vary by driver and CUDA version by about that much)")
+    assumptions.append(f"headroom: recommended_batch_size keeps its predicted device peak within "
+                       f"{1 - plan.headroom:.0%} of the usable memory (capacity - CUDA context - reserve), "
+                       "since real peaks ran up to 11% above predictions in published runs; max_batch_size "
+                       "is the simulator's exact answer, with no headroom")
     if plan.align:
-        assumptions.append("recommended_batch_size: the max rounded down to a multiple of 8 (tensor cores) "
+        assumptions.append("recommended_batch_size: rounded down to a multiple of 8 (tensor cores) "
                            "when that gives up less than 10%")
     if any(r.step_seconds is not None for r in results):
         assumptions.append(f"step time: the step's FLOPs at {plan.efficiency:.0%} of the card's peak "
@@ -260,6 +269,22 @@ def _answer(source: Source, request: EstimateRequest, cards: list[GPU], start: i
         provenance=Provenance(batchfit=__version__, torch=torch.__version__.split("+")[0], catalog=CATALOG_VERSION,
                               seconds=round(time.perf_counter() - t0, 3), simulations=source.simulations),
     )
+
+
+def _recommend(source: Source, card: GPU, start: int, best: int | None, plan) -> int | None:
+    """The largest batch (aligned) whose device peak is at most (1 - headroom) of the usable memory."""
+    if best is None:
+        return None
+    limit = int((1 - plan.headroom) * card.usable_bytes(plan.reserve_bytes))
+
+    def peak(b: int) -> int:
+        return source.report_fast(b, card).device_peak_bytes
+
+    room = headroom_batch(peak, limit, start, best)
+    rec = recommended(room, plan.align)
+    if rec is not None and rec != room and peak(rec) > limit:
+        return room  # peaks are not strictly monotone in the batch: keep the batch that was probed
+    return rec
 
 
 def confirm_mode(confirm: str | bool) -> str:

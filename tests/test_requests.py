@@ -160,3 +160,34 @@ def test_cli_custom_model_and_table(tmp_path) -> None:
     assert row[0] == "T4-16GB" and row[4] == "256" and row[-1] == "yes"
     # 3072*64 + 64 + 64*10 + 10 = 197,322 parameters
     assert "197,322 parameters" in proc.stdout
+
+
+def test_cli_table_shows_both_batches_and_the_advice_asked_for(tmp_path) -> None:
+    (tmp_path / "mynets.py").write_text(
+        "import torch.nn as nn\n"
+        "def make(width=64):\n"
+        "    return nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, width), nn.ReLU(), nn.Linear(width, 10))\n"
+    )
+    body = {"input": {"image_size": [3, 32, 32]}, "gpus": ["T4-16GB"],
+            "planner": {"target_global_batch": 4096, "base_lr": 0.1, "base_batch": 256, "dataset_size": 50_000}}
+    spec = tmp_path / "req.json"
+    spec.write_text(json.dumps(body))
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "PYTHONWARNINGS": "ignore"}
+    table = subprocess.run([_batchfit(), "estimate", "--spec", str(spec), "--model", "mynets:make"],
+                           capture_output=True, text=True, timeout=600, env=env)
+    as_json = subprocess.run([_batchfit(), "estimate", "--spec", str(spec), "--model", "mynets:make", "--json"],
+                             capture_output=True, text=True, timeout=600, env=env)
+    assert table.returncode == 0 and as_json.returncode == 0, table.stderr + as_json.stderr
+    (r,) = json.loads(as_json.stdout)["results"]
+    head, row = table.stdout.splitlines()[:2]
+    for column in ("max batch", "recommended", "at max", "at rec", "step s", "epoch s", "micro x steps x ranks",
+                   "lr"):
+        assert column in head
+    a = r["accumulation"]
+    assert f"{a['micro_batch']} x {a['steps']} x {a['ranks']} = {a['global_batch']}" in row
+    cells = row.split()
+    assert cells[2:4] == [str(r["max_batch_size"]), str(r["recommended_batch_size"])]
+    assert cells[6:8] == [f"{r['max_memory']['device_peak_bytes'] / 2**30:.2f}",
+                          f"{r['recommended_memory']['device_peak_bytes'] / 2**30:.2f}"]
+    assert f"{r['learning_rate']['lr']:.3g}" in cells and f"{r['step_seconds']:.3f}" in cells
+    assert "learning rate: sqrt scaling" in table.stdout
