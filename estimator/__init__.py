@@ -9,7 +9,7 @@ Nothing is imported at import time beyond the names below (torch loads lazily).
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = ["estimate_memory", "Recipe", "MemoryReport", "Breakdown", "AllocatorConfig", "get_gpu", "CATALOG"]
 
 

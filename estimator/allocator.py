@@ -17,6 +17,13 @@ Rules and constants follow c10/cuda/CUDACachingAllocator.cpp (torch 2.14):
   set), retries, then frees every cached whole segment and retries once
   more before reporting out of memory                                      malloc
 
+- an allocation in ``SOFT_CATEGORIES`` that cannot be had is skipped, not an
+  OOM: cuDNN catches the OutOfMemoryError of a plan's workspace and takes a
+  plan that needs less (Conv_v8.cpp try_configs); the cache is freed first,
+  as for any failed cudaMalloc
+- an ``EMPTY_CACHE`` event releases every cached whole segment
+  (``emptyCache`` -> release_cached_blocks), as cudnn.benchmark's search does
+
 ``expandable_segments`` is modelled as one growing segment per pool mapped
 in 2 MiB pages (a simplification of ExpandableSegment: pages are unmapped
 only when an allocation would otherwise fail).
@@ -43,6 +50,8 @@ KLARGE_BUFFER = 20971520  # kLargeBuffer: "large" allocations may be packed in 2
 KMIN_LARGE_ALLOC = 10485760  # kMinLargeAlloc: allocations between 1 and 10 MiB may use kLargeBuffer
 KROUND_LARGE = 2097152  # kRoundLarge: round up large allocations to 2 MiB
 EXPANDABLE_PAGE = 2097152  # ExpandableSegment maps 2 MiB pages (segment_size_ for the large pool)
+SOFT_CATEGORIES = frozenset({"conv_workspace"})  # skipped when they cannot be allocated
+EMPTY_CACHE = "empty_cache"  # an allocation of this category is a torch.cuda.empty_cache() call
 
 
 class Event(NamedTuple):
@@ -365,29 +374,40 @@ def replay_sized(events: Sequence[tuple[bool, int]], sizes: Sequence[int], categ
     alloc_peak = reserved_peak = 0
     peak_event = 0
     oom: int | None = None
+    skipped: set[int] = set()  # soft allocations that could not be had, and empty_cache calls
     for i, (is_alloc, k) in enumerate(events):
         if is_alloc:
-            if k in live:
+            if k in live or k in skipped:
                 raise ReplayError(f"event {i}: key {k} allocated twice without a free")
             nbytes = sizes[k]
             if nbytes < 0:
                 raise ReplayError(f"event {i}: nbytes {nbytes}; expected >= 0")
-            block = malloc(nbytes)
+            if categories[k] == EMPTY_CACHE:
+                a._release_segments(lambda b: True)
+                block = None
+            else:
+                block = malloc(nbytes)
+                if block is None and categories[k] not in SOFT_CATEGORIES:
+                    oom = i
+                    break
             if block is None:
-                oom = i
-                break
-            live[k] = block
-            block_size[k] = block.size
-            if a.allocated > alloc_peak:
-                alloc_peak = a.allocated
-                peak_event = i
-            if a.reserved > reserved_peak:
-                reserved_peak = a.reserved
+                skipped.add(k)
+            else:
+                live[k] = block
+                block_size[k] = block.size
+                if a.allocated > alloc_peak:
+                    alloc_peak = a.allocated
+                    peak_event = i
+                if a.reserved > reserved_peak:
+                    reserved_peak = a.reserved
         else:
             block = live.pop(k, None)
             if block is None:
-                raise ReplayError(f"event {i}: free of key {k} that is not allocated")
-            free(block)
+                if k not in skipped:
+                    raise ReplayError(f"event {i}: free of key {k} that is not allocated")
+                skipped.discard(k)
+            else:
+                free(block)
         if timelines:
             allocated.append(a.allocated)
             reserved.append(a.reserved)
@@ -399,7 +419,7 @@ def replay_sized(events: Sequence[tuple[bool, int]], sizes: Sequence[int], categ
                 at_peak.add(k)
             else:
                 at_peak.discard(k)
-        for k in at_peak:
+        for k in at_peak & block_size.keys():  # not the skipped ones
             breakdown[categories[k]] = breakdown.get(categories[k], 0) + block_size[k]
     return ReplayResult(
         allocated_peak=alloc_peak,

@@ -19,7 +19,7 @@ from estimator.errors import BatchTooSmallError, SpecError
 from estimator.gpus import CATALOG, CATALOG_VERSION, GPU, MIB, custom_gpu, get_gpu
 from estimator.models import BuiltModel, build
 from estimator.planner import (
-    MAX_BATCH, accumulation_plan, curve_batches, headroom_batch, lr_advice, max_batch, max_batch_between,
+    ALIGNMENT, ALIGNMENT_MAX_COST, MAX_BATCH, accumulation_plan, curve_batches, headroom_batch, lr_advice, max_batch, max_batch_between,
     recommended, step_seconds,
 )
 from estimator.profile import AffineTrace, PortableProfile, concrete
@@ -39,7 +39,7 @@ def recipe_of(request: EstimateRequest) -> Recipe:
     return Recipe(
         precision=t.precision, optimizer=t.optimizer.name, optimizer_kwargs=t.optimizer.kwargs(),
         gradient_checkpointing=t.gradient_checkpointing, grad_accumulation_steps=t.grad_accumulation_steps,
-        zero_grad_set_to_none=t.zero_grad_set_to_none,
+        zero_grad_set_to_none=t.zero_grad_set_to_none, zero_grad_at=t.zero_grad_at, cudnn_benchmark=t.cudnn_benchmark,
     )
 
 
@@ -282,8 +282,10 @@ def _recommend(source: Source, card: GPU, start: int, best: int | None, plan) ->
 
     room = headroom_batch(peak, limit, start, best)
     rec = recommended(room, plan.align)
-    if rec is not None and rec != room and peak(rec) > limit:
-        return room  # peaks are not strictly monotone in the batch: keep the batch that was probed
+    # peaks are not strictly monotone in the batch: the next multiple of 8 down, while that stays cheap,
+    # else the batch that was probed
+    while rec is not None and rec != room and peak(rec) > limit:
+        rec = rec - ALIGNMENT if (room - (rec - ALIGNMENT)) / room < ALIGNMENT_MAX_COST else room
     return rec
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from estimator.allocator import Event
+from estimator.allocator import SOFT_CATEGORIES, Event
 from estimator.trace import Trace
 
 SCHEMA_VERSION = 1
@@ -64,13 +64,17 @@ class AffineTrace:
         return {}
 
     def _front(self, workspace: int) -> list[tuple[int, int]]:
-        """(per-sample, constant) bytes live after each allocation, only the lines that can be the largest."""
+        """(per-sample, constant) bytes live after each allocation, only the lines that can be the largest
+        (allocations the replay may skip, cuDNN's workspaces, left out: the bound stays a bound)."""
         fronts = self._fronts
         if workspace not in fronts:
             points = set()
             c = k = 0
             is_ws = set(self._workspaces)
+            soft = {i for i, c in enumerate(self.categories) if c in SOFT_CATEGORIES}
             for alloc, i in self.events:
+                if i in soft:
+                    continue  # may be skipped when it cannot be had: no part of the bound
                 dc = workspace if i in is_ws else self.const[i]
                 dk = 0 if i in is_ws else self.per_sample[i]
                 if alloc:

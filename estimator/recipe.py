@@ -17,6 +17,7 @@ from estimator.errors import SpecError
 PRECISIONS = ("fp32", "amp-fp16", "amp-bf16", "bf16")
 OPTIMIZERS = ("sgd", "adam", "adamw", "adagrad", "rmsprop", "adafactor")
 CHECKPOINTING = (False, True, "reentrant", "non-reentrant")
+ZERO_GRAD_AT = ("step-start", "after-forward")
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,11 @@ class Recipe:
 
     ``gradient_checkpointing``: ``False``, ``True`` (non-reentrant, the
     torch.utils.checkpoint default), ``"reentrant"`` or ``"non-reentrant"``.
+    ``zero_grad_at``: ``"step-start"`` (``optimizer.zero_grad()`` before the
+    forward, or after the previous step: the HF Trainer, timm) or
+    ``"after-forward"`` (between the loss and backward, as Lightning's
+    automatic optimization closure and many scripts do: the previous step's
+    gradients stay alive through the forward).
     """
 
     precision: str = "fp32"
@@ -33,6 +39,8 @@ class Recipe:
     gradient_checkpointing: bool | str = False
     grad_accumulation_steps: int = 1
     zero_grad_set_to_none: bool = True
+    zero_grad_at: str = "step-start"
+    cudnn_benchmark: bool = False
     iterations: int = 2
 
     def __post_init__(self) -> None:
@@ -45,6 +53,8 @@ class Recipe:
                 "training.gradient_checkpointing", self.gradient_checkpointing,
                 "false, true, 'reentrant' or 'non-reentrant'",
             )
+        if self.zero_grad_at not in ZERO_GRAD_AT:
+            raise SpecError("training.zero_grad_at", self.zero_grad_at, f"one of {', '.join(ZERO_GRAD_AT)}")
         if not isinstance(self.grad_accumulation_steps, int) or self.grad_accumulation_steps < 1:
             raise SpecError("training.grad_accumulation_steps", self.grad_accumulation_steps, "an integer >= 1")
         if not isinstance(self.iterations, int) or self.iterations < 2:

@@ -18,7 +18,8 @@ from estimator.trace import BatchFactory, LossFn, ModelFactory, Trace, record_tr
 
 @dataclass(frozen=True)
 class Breakdown:
-    """Bytes live at the allocated peak, by category (allocator block sizes)."""
+    """Bytes live at the allocated peak, by category (allocator block sizes); ``workspace`` holds the
+    cuBLAS handles' and any cuDNN convolution's."""
 
     parameters: int = 0
     buffers: int = 0
@@ -39,7 +40,7 @@ class Breakdown:
             activations=by_cat.get("activation", 0),
             temporaries=by_cat.get("temporary", 0),
             inputs=by_cat.get("input", 0),
-            workspace=by_cat.get("workspace", 0),
+            workspace=by_cat.get("workspace", 0) + by_cat.get("conv_workspace", 0),
         )
 
     def total(self) -> int:

@@ -115,6 +115,13 @@ class TrainingSpec(BaseModel):
     gradient_checkpointing: bool | Literal["reentrant", "non-reentrant"] = False
     grad_accumulation_steps: int = Field(1, ge=1, le=4096)
     zero_grad_set_to_none: bool = True
+    zero_grad_at: Literal["step-start", "after-forward"] = Field(
+        "step-start", description="where optimizer.zero_grad() runs: 'step-start' (before the forward; HF "
+        "Trainer, timm) or 'after-forward' (between the loss and backward: Lightning's automatic optimization, "
+        "many scripts), which keeps the previous step's gradients alive through the forward")
+    cudnn_benchmark: bool = Field(False, description="torch.backends.cudnn.benchmark (default false, as in "
+                                  "PyTorch): the first step of each convolution shape times cuDNN's plans, then "
+                                  "empties the allocator's cache")
 
 
 class CustomGPUSpec(BaseModel):

@@ -21,17 +21,20 @@ import torch
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry as _FLOPS
 
-from estimator.allocator import Event
+from estimator.allocator import SOFT_CATEGORIES, Event
 from estimator.checkpointing import enable_checkpointing
 from estimator.errors import BatchTooSmallError, DataDependentError, SimulationError, SpecError
 from estimator.gpus import GPU
 from estimator.optimizers import build_optimizer
 from estimator.recipe import Recipe
 from estimator.virtual_gpu import VirtualGPU
+from estimator.virtual_gpu.cudnn import ASSUMPTION as CUDNN_ASSUMPTION
+from estimator.virtual_gpu.cudnn import BENCHMARK_ASSUMPTION, WORKSPACE, ConvWorkspaces
 from estimator.virtual_gpu.worst_case import WorstCase
 
 CATEGORIES = (
     "parameter", "buffer", "gradient", "optimizer_state", "activation", "temporary", "input", "workspace",
+    "conv_workspace", "empty_cache",
 )
 # Ops that run cuBLAS: the first one on a thread allocates the handle's workspace.
 _CUBLAS_OPS = frozenset(
@@ -83,11 +86,15 @@ class Trace:
         allocs = self.allocations
         return [Event(a, k, allocs[k].nbytes, allocs[k].category) for a, k in self.events]
 
-    def live_peak(self) -> tuple[int, int]:
-        """(peak of live requested bytes, event index): what a profiler of the raw allocator sees."""
+    def live_peak(self, hard_only: bool = False) -> tuple[int, int]:
+        """(peak of live requested bytes, event index): what a profiler of the raw allocator sees.
+        ``hard_only``: without the allocations a replay may skip (cuDNN workspaces), as the affine
+        trace's ``live_at`` bounds them."""
         live = peak = idx = 0
         allocs = self.allocations
         for i, (is_alloc, k) in enumerate(self.events):
+            if hard_only and allocs[k].category in SOFT_CATEGORIES:
+                continue
             live += allocs[k].nbytes if is_alloc else -allocs[k].nbytes
             if live > peak:
                 peak, idx = live, i
@@ -97,7 +104,7 @@ class Trace:
 class Recorder:
     """Observes every op on the virtual GPU and records storage lifetimes."""
 
-    def __init__(self, vgpu: VirtualGPU, workspace_bytes: int) -> None:
+    def __init__(self, vgpu: VirtualGPU, workspace_bytes: int, convs: ConvWorkspaces | None = None) -> None:
         self.vgpu = vgpu
         self.device_type = vgpu.device.type
         self.trace = Trace()
@@ -110,6 +117,7 @@ class Recorder:
         self.node_modules: dict[int, str] = {}
         self.workspace_bytes = workspace_bytes
         self.workspaces: set[str] = set()
+        self.convs = convs
         self.survivors: set[int] = set()
         self.iteration_flops: dict[int, int] = {}
         vgpu.observer = self.observe
@@ -143,6 +151,13 @@ class Recorder:
             if thread not in self.workspaces:
                 self.workspaces.add(thread)
                 self._alloc(self.workspace_bytes, f"cublas_workspace[{thread}]", "workspace")
+        if self.convs is not None and name.startswith("convolution"):
+            thread = "backward" if self.vgpu.engine.node_stack else "forward"
+            for kind, nbytes in self.convs.actions(name, args, out, thread):
+                # freed as the call returns: transient, but its block stays cached
+                aid = self._alloc(nbytes, f"cudnn_{kind}[{name}]", "conv_workspace" if kind == WORKSPACE else kind)
+                self.trace.events.append((False, aid))
+                self.live_bytes -= nbytes
 
     def track(self, t: torch.Tensor, op: str) -> None:
         storage = t.untyped_storage()
@@ -328,7 +343,8 @@ def record_training(
     workspace = gpu.cublas_workspace_bytes if gpu is not None else 0
     vgpu = VirtualGPU(gpu, subclass_like=subclass_like, cpp_engine=cpp_engine)
     vgpu.worst_case = WorstCase() if worst_case else None
-    recorder = Recorder(vgpu, workspace)
+    convs = ConvWorkspaces(gpu.capability, recipe.cudnn_benchmark) if gpu is not None else None
+    recorder = Recorder(vgpu, workspace, convs)
     if worst_case:
         recorder.trace.assumptions.append(
             "data-dependent sizes at their maximum (every mask element true, NMS keeps every box, "
@@ -339,6 +355,10 @@ def record_training(
         ):
             _run(vgpu, recorder, meta_model, batch_factory, loss_fn, batch_size, recipe)
     trace = recorder.finish()
+    if convs is not None and convs.calls:
+        trace.assumptions.append(CUDNN_ASSUMPTION)
+        if recipe.cudnn_benchmark:
+            trace.assumptions.append(BENCHMARK_ASSUMPTION)
     trace.unsupported.extend(vgpu.unsupported)
     trace.sdpa_calls = sorted(vgpu.sdpa_calls, key=repr)
     # FLOPs of one optimizer step's forward and backward passes (all accumulation micro-batches), steady state
@@ -364,14 +384,18 @@ def _run(vgpu, recorder, meta_model, batch_factory, loss_fn, batch_size, recipe)
     with _ModuleTracker(recorder, model):
         for it in range(recipe.iterations):
             recorder.iteration = it
-            recorder.phase = "zero_grad"
-            optimizer.zero_grad(set_to_none=recipe.zero_grad_set_to_none)
-            for _ in range(recipe.grad_accumulation_steps):
+            if recipe.zero_grad_at == "step-start":
+                recorder.phase = "zero_grad"
+                optimizer.zero_grad(set_to_none=recipe.zero_grad_set_to_none)
+            for micro in range(recipe.grad_accumulation_steps):
                 recorder.phase = "input"
                 batch = _call("input", lambda: batch_factory(batch_size, vgpu.device), recorder)
                 inputs, targets = batch
                 loss = _forward(vgpu, recorder, model, inputs, targets, loss_fn, recipe,
                                 getattr(batch_factory, "keep_dtype", ()))
+                if micro == 0 and recipe.zero_grad_at == "after-forward":
+                    recorder.phase = "zero_grad"
+                    optimizer.zero_grad(set_to_none=recipe.zero_grad_set_to_none)
                 recorder.phase = "backward"
                 recorder.snapshot_survivors()
                 if recipe.grad_accumulation_steps > 1:

@@ -200,6 +200,7 @@ def _child(doc: dict[str, Any]) -> Measurement:
     torch.cuda.reset_peak_memory_stats()
     built = build(request)
     recipe = recipe_of(request)
+    torch.backends.cudnn.benchmark = recipe.cudnn_benchmark
     try:
         with torch.device("cuda"):
             model = built.factory()
@@ -213,8 +214,9 @@ def _child(doc: dict[str, Any]) -> Measurement:
         scaler = torch.amp.GradScaler("cuda") if recipe.uses_grad_scaler else None
         peak_used = 0
         for _ in range(ITERATIONS):
-            optimizer.zero_grad(set_to_none=recipe.zero_grad_set_to_none)
-            for _ in range(recipe.grad_accumulation_steps):
+            if recipe.zero_grad_at == "step-start":
+                optimizer.zero_grad(set_to_none=recipe.zero_grad_set_to_none)
+            for micro in range(recipe.grad_accumulation_steps):
                 inputs, targets = built.batch_factory(batch, torch.device("cuda"))
                 batch_inputs, inputs = inputs, recipe.forward_inputs(
                     inputs, getattr(built.batch_factory, "keep_dtype", ()))  # the fp32 batch stays alive
@@ -224,6 +226,8 @@ def _child(doc: dict[str, Any]) -> Measurement:
                         model(*inputs) if isinstance(inputs, (tuple, list)) else model(inputs))
                     loss = built.loss_fn(out, targets)
                 del out
+                if micro == 0 and recipe.zero_grad_at == "after-forward":
+                    optimizer.zero_grad(set_to_none=recipe.zero_grad_set_to_none)
                 if recipe.grad_accumulation_steps > 1:
                     loss = loss / recipe.grad_accumulation_steps
                 (scaler.scale(loss) if scaler else loss).backward()

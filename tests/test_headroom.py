@@ -76,9 +76,9 @@ def test_recommended_is_aligned_and_independently_leaves_the_headroom() -> None:
         fresh = report_from_trace(trace, rec, card, reserve_bytes=DEFAULT_RESERVE_BYTES)
         assert fresh.device_peak_bytes == r.recommended_memory.device_peak_bytes
         assert fresh.device_peak_bytes <= _limit(r.gpu)
-        # ... and without alignment, the largest batch that does is at most 8 above
+        # ... and without alignment, the largest batch that does lies above, by less than 10%
         unaligned = estimate(request.model_copy(update={"gpus": [r.gpu]}), align=False).results[0]
-        assert rec <= unaligned.recommended_batch_size < rec + 8
+        assert rec <= unaligned.recommended_batch_size < rec / 0.9
 
 
 def test_more_headroom_recommends_less() -> None:

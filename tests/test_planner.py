@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from estimator.gpus import CATALOG, MIB, custom_gpu, get_gpu
 from estimator.models import BuiltModel, build
-from estimator.planner import DEFAULT_RESERVE_BYTES, recommended
+from estimator.planner import DEFAULT_HEADROOM, DEFAULT_RESERVE_BYTES, recommended
 from estimator.profile import fit
 from estimator.recipe import Recipe
 from estimator.report import report_from_trace
@@ -112,11 +112,16 @@ def test_max_fits_and_max_plus_one_does_not(model, inp) -> None:
         assert best is not None and result.search.startswith("affine, checked at batch ")
         assert int(result.search.rsplit(" ", 1)[1]) > best  # the check lies past every card's answer
 
-        def fits(b: int) -> bool:
+        def report(b: int):
             trace = record_training(built.factory, built.batch_factory, built.loss_fn, b, recipe, card)
-            return report_from_trace(trace, b, card, reserve_bytes=DEFAULT_RESERVE_BYTES).fits
-        assert fits(best), f"{result.gpu}: {best} should fit"
-        assert not fits(best + 1), f"{result.gpu}: {best + 1} should not fit"
+            return report_from_trace(trace, b, card, reserve_bytes=DEFAULT_RESERVE_BYTES)
+        assert report(best).fits, f"{result.gpu}: {best} should fit"
+        assert not report(best + 1).fits, f"{result.gpu}: {best + 1} should not fit"
+        # the recommendation leaves the headroom, on a fresh simulation too
+        rec = result.recommended_batch_size
+        assert rec <= best
+        limit = (1 - DEFAULT_HEADROOM) * card.usable_bytes(DEFAULT_RESERVE_BYTES)
+        assert report(rec).device_peak_bytes == result.recommended_memory.device_peak_bytes <= limit
 
 
 def test_a_bigger_card_never_gets_a_smaller_max() -> None:
@@ -215,7 +220,7 @@ def test_live_bound_is_the_fresh_traces_peak_of_requested_bytes(name: str) -> No
     profile = fit([(2, t1), (3, t2)])
     for b in (5, 17, 64):
         fresh = record_training(mf, bf, lf, b, Recipe(), A100)
-        assert profile.live_at(b, A100.cublas_workspace_bytes) == fresh.live_peak()[0]
+        assert profile.live_at(b, A100.cublas_workspace_bytes) == fresh.live_peak(hard_only=True)[0]
     live_64 = profile.live_at(64, A100.cublas_workspace_bytes)
     bound = profile.live_bound(live_64, A100.cublas_workspace_bytes, 2**20)
     assert bound >= 64 and profile.live_at(bound + 1, A100.cublas_workspace_bytes) > live_64
