@@ -242,6 +242,10 @@ def _answer(source: Source, request: EstimateRequest, cards: list[GPU], start: i
         shown = shown or report
     assumptions.append(f"safety margin: {plan.reserve_bytes // 2**20} MiB kept free on every card besides the "
                        "CUDA context (context sizes vary by driver and CUDA version by about that much)")
+    if request.training.zero_grad_at == "step-start":
+        assumptions.append("zero_grad before the forward (HF Trainer, timm): the previous step's gradients are "
+                           "freed first; a loop that zeroes them after the forward, as Lightning's does, "
+                           "needs their bytes more at the forward's end (training.zero_grad_at: 'after-forward')")
     assumptions.append(f"headroom: recommended_batch_size keeps its predicted device peak within "
                        f"{1 - plan.headroom:.0%} of the usable memory (capacity - CUDA context - reserve), "
                        "since real peaks ran up to 11% above predictions in published runs; max_batch_size "

@@ -107,3 +107,23 @@ def test_headroom_errors_name_the_field(value, expected) -> None:
     with pytest.raises(SpecError) as err:
         parse_request({"model": {"source": "torchvision", "name": "resnet18"}, "planner": {"headroom": value}})
     assert err.value.field == "planner.headroom" and expected in str(err.value)
+
+
+def test_zero_grad_after_the_forward_keeps_the_gradients_through_it() -> None:
+    """vit_b_16 at batch 8: its peak, the forward's end, then carries the previous step's gradients too."""
+    peaks = {}
+    for where in ("step-start", "after-forward"):
+        request = parse_request({"model": {"source": "torchvision", "name": "vit_b_16"}, "gpus": ["A100-40GB"],
+                                 "batch_size": 8, "training": {"zero_grad_at": where, "optimizer": {"name": "sgd"}},
+                                 "planner": {"confirm": "none", "curve_points": 0}})
+        response = estimate(request)
+        peaks[where] = (response.results[0].memory, response.breakdown)
+        assert any("zero_grad before" in line for line in response.assumptions) == (where == "step-start")
+    (late, late_parts), (first, _) = peaks["after-forward"], peaks["step-start"]
+    assert late.peak_phase == "forward" and first.peak_phase == "backward"
+    # every fp32 gradient is live at that peak: 86,567,656 parameters x 4 B, in blocks at least that large
+    assert late_parts.gradients >= 4 * 86_567_656
+    # the peak grows by nearly that much (1.397 GB -> 1.729 GB: the step-start peak, in backward, already
+    # held 12.8 MB of new gradients and more temporaries)
+    grown = late.allocated_peak_bytes - first.allocated_peak_bytes
+    assert 0.9 * 4 * 86_567_656 < grown <= 4 * 86_567_656

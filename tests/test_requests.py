@@ -73,6 +73,9 @@ BAD = [
     (_req(trainig={}), "trainig", "no such field"),
     (_req(planner={"confirm": "sometimes"}), "planner.confirm", "'every-card'"),
     (_req(planner={"confirm": 1}), "planner.confirm", "'top'"),
+    (_req(planner={"headroom": 1.5}), "planner.headroom", "less than 1"),
+    (_req(training={"zero_grad_at": "before-backward"}), "training.zero_grad_at", "'after-forward'"),
+    (_req(training={"cudnn_benchmark": "yes"}), "training.cudnn_benchmark", "valid boolean"),
     ([1, 2], "(body)", "JSON object"),
 ]
 
