@@ -22,7 +22,9 @@ Rules and constants follow c10/cuda/CUDACachingAllocator.cpp (torch 2.14):
   plan that needs less (Conv_v8.cpp try_configs); the cache is freed first,
   as for any failed cudaMalloc
 - an ``EMPTY_CACHE`` event releases every cached whole segment
-  (``emptyCache`` -> release_cached_blocks), as cudnn.benchmark's search does
+  (``emptyCache`` -> release_cached_blocks), as cudnn.benchmark's search does;
+  with expandable segments it keeps the pages mapped (a simplification: more
+  reserved, never less)
 
 ``expandable_segments`` is modelled as one growing segment per pool mapped
 in 2 MiB pages (a simplification of ExpandableSegment: pages are unmapped
@@ -50,7 +52,8 @@ KLARGE_BUFFER = 20971520  # kLargeBuffer: "large" allocations may be packed in 2
 KMIN_LARGE_ALLOC = 10485760  # kMinLargeAlloc: allocations between 1 and 10 MiB may use kLargeBuffer
 KROUND_LARGE = 2097152  # kRoundLarge: round up large allocations to 2 MiB
 EXPANDABLE_PAGE = 2097152  # ExpandableSegment maps 2 MiB pages (segment_size_ for the large pool)
-SOFT_CATEGORIES = frozenset({"conv_workspace"})  # skipped when they cannot be allocated
+CONV_WORKSPACE = "conv_workspace"  # cuDNN's per-call workspace (virtual_gpu/cudnn.py)
+SOFT_CATEGORIES = frozenset({CONV_WORKSPACE})  # skipped when they cannot be allocated
 EMPTY_CACHE = "empty_cache"  # an allocation of this category is a torch.cuda.empty_cache() call
 
 
@@ -215,12 +218,12 @@ class _Allocator:
         return released >= want
 
     # --- malloc / free
-    def malloc(self, nbytes: int) -> _Block | None:
+    def malloc(self, nbytes: int, soft: bool = False) -> _Block | None:
         size = KMIN_BLOCK_SIZE if nbytes < KMIN_BLOCK_SIZE else KMIN_BLOCK_SIZE * (
             (nbytes + KMIN_BLOCK_SIZE - 1) // KMIN_BLOCK_SIZE)  # round_size
         small = size <= KSMALL_SIZE
         if self.cfg.expandable_segments:
-            return self._malloc_expandable(small, size)
+            return self._malloc_expandable(small, size, soft)
         # _find and _remove in one bisection (the hot path of every replay)
         pool = self.pools[small]
         i = bisect.bisect_left(pool, (size, -1))
@@ -266,7 +269,7 @@ class _Allocator:
         self.allocated += block.size
         return block
 
-    def _malloc_expandable(self, small: bool, size: int) -> _Block | None:
+    def _malloc_expandable(self, small: bool, size: int, soft: bool = False) -> _Block | None:
         block = self._find(small, size)
         if block is not None:
             self._remove(block)
@@ -276,8 +279,12 @@ class _Allocator:
         grow = EXPANDABLE_PAGE * ((size - have + EXPANDABLE_PAGE - 1) // EXPANDABLE_PAGE)
         cap = self.cfg.capacity
         if cap is not None and self.reserved + grow > cap:
-            self.flushes += 1
             self.failed += 1
+            if soft:
+                # a workspace cuDNN can do without: refused here, the free pages stay mapped (this model
+                # unmaps them only on the way to an OOM, which it cannot undo)
+                return None
+            self.flushes += 1
             self._unmap_free_pages()
             tail = self.tails[small]
             have = tail.size if tail is not None and not tail.allocated else 0
@@ -383,10 +390,11 @@ def replay_sized(events: Sequence[tuple[bool, int]], sizes: Sequence[int], categ
             if nbytes < 0:
                 raise ReplayError(f"event {i}: nbytes {nbytes}; expected >= 0")
             if categories[k] == EMPTY_CACHE:
-                a._release_segments(lambda b: True)
+                if not config.expandable_segments:  # expandable: its pages stay mapped (see _malloc_expandable)
+                    a._release_segments(lambda b: True)
                 block = None
             else:
-                block = malloc(nbytes)
+                block = malloc(nbytes, categories[k] in SOFT_CATEGORIES)
                 if block is None and categories[k] not in SOFT_CATEGORIES:
                     oom = i
                     break

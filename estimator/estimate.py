@@ -10,6 +10,7 @@ without the model's code (``estimate_from_profile``).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -19,8 +20,8 @@ from estimator.errors import BatchTooSmallError, SpecError
 from estimator.gpus import CATALOG, CATALOG_VERSION, GPU, MIB, custom_gpu, get_gpu
 from estimator.models import BuiltModel, build
 from estimator.planner import (
-    ALIGNMENT, ALIGNMENT_MAX_COST, MAX_BATCH, accumulation_plan, curve_batches, headroom_batch, lr_advice, max_batch, max_batch_between,
-    recommended, step_seconds,
+    MAX_BATCH, accumulation_plan, aligned_within, curve_batches, headroom_capacity, lr_advice, max_batch,
+    max_batch_between, step_seconds,
 )
 from estimator.profile import AffineTrace, PortableProfile, concrete
 from estimator.recipe import Recipe
@@ -186,6 +187,7 @@ def make_profile(request: EstimateRequest, *, built: BuiltModel | None = None,
         flops=flops, sdpa_calls=calls,
         steps=steps, first_steps=first, assumptions=list(built.assumptions) + warnings,
         versions={"batchfit": __version__, "torch": torch.__version__.split("+")[0], "catalog": CATALOG_VERSION},
+        capability_thresholds=list(sim.trace(start, card).capability_thresholds),
     )
 
 
@@ -229,14 +231,14 @@ def _answer(source: Source, request: EstimateRequest, cards: list[GPU], start: i
         for line in report.assumptions:
             if line not in assumptions:
                 assumptions.append(line)
-        rec = _recommend(source, card, start, best, plan)
+        rec, shrunk = _recommend(source, card, start, best, plan)
         if best is not None and rec is None:
-            warnings.append(f"{card.name}: batch {start} fits but leaves less than {plan.headroom:.0%} of the "
-                            "usable memory free; no batch is recommended")
+            warnings.append(f"{card.name}: batch {start} fits but not within {1 - plan.headroom:.1%} of the "
+                            "usable memory (planner.headroom); no batch is recommended")
         result = GPUResult(gpu=card.name, capacity_bytes=card.memory_bytes, min_batch_size=start,
                            max_batch_size=best, recommended_batch_size=rec, search=how, memory=_memory(report),
                            max_memory=None if best is None else _memory(source.report_fast(best, card)),
-                           recommended_memory=None if rec is None else _memory(source.report_fast(rec, card)))
+                           recommended_memory=None if rec is None else _memory(source.report_fast(rec, shrunk)))
         _advise(result, source, card, start, request, resolved_input)
         results.append(result)
         shown = shown or report
@@ -246,10 +248,11 @@ def _answer(source: Source, request: EstimateRequest, cards: list[GPU], start: i
         assumptions.append("zero_grad before the forward (HF Trainer, timm): the previous step's gradients are "
                            "freed first; a loop that zeroes them after the forward, as Lightning's does, "
                            "needs their bytes more at the forward's end (training.zero_grad_at: 'after-forward')")
-    assumptions.append(f"headroom: recommended_batch_size keeps its predicted device peak within "
-                       f"{1 - plan.headroom:.0%} of the usable memory (capacity - CUDA context - reserve), "
-                       "since real peaks ran up to 11% above predictions in published runs; max_batch_size "
-                       "is the simulator's exact answer, with no headroom")
+    assumptions.append(f"headroom: recommended_batch_size fits with its device peak (reserved + CUDA context) "
+                       f"within {1 - plan.headroom:.1%} of the usable memory (capacity - CUDA context - reserve), "
+                       "since real peaks ran up to 11% above predictions in published runs; recommended_memory "
+                       "is that step with the allocator held there (torch.cuda.set_per_process_memory_fraction "
+                       "does so on a card; a free allocator caches more); max_batch_size has no headroom")
     if plan.align:
         assumptions.append("recommended_batch_size: rounded down to a multiple of 8 (tensor cores) "
                            "when that gives up less than 10%")
@@ -275,22 +278,27 @@ def _answer(source: Source, request: EstimateRequest, cards: list[GPU], start: i
     )
 
 
-def _recommend(source: Source, card: GPU, start: int, best: int | None, plan) -> int | None:
-    """The largest batch (aligned) whose device peak is at most (1 - headroom) of the usable memory."""
+def _headroom_card(card: GPU, plan) -> GPU:
+    """``card`` as the recommendation sees it: an allocator held to ``headroom_capacity``."""
+    capacity = headroom_capacity(card.usable_bytes(plan.reserve_bytes), card.context_bytes, plan.headroom)
+    return dataclasses.replace(card, memory_bytes=capacity + card.context_bytes + plan.reserve_bytes)
+
+
+def _recommend(source: Source, card: GPU, start: int, best: int | None, plan) -> tuple[int | None, GPU]:
+    """(The largest batch, aligned, that fits with the allocator held to (1 - headroom) of the usable memory
+    less the CUDA context, the card as that replay sees it). Monotone like the max: the same searches."""
+    shrunk = _headroom_card(card, plan)
     if best is None:
-        return None
-    limit = int((1 - plan.headroom) * card.usable_bytes(plan.reserve_bytes))
+        return None, shrunk
 
-    def peak(b: int) -> int:
-        return source.report_fast(b, card).device_peak_bytes
+    def fits(b: int) -> bool:
+        return source.report_fast(b, shrunk).fits
 
-    room = headroom_batch(peak, limit, start, best)
-    rec = recommended(room, plan.align)
-    # peaks are not strictly monotone in the batch: the next multiple of 8 down, while that stays cheap,
-    # else the batch that was probed
-    while rec is not None and rec != room and peak(rec) > limit:
-        rec = rec - ALIGNMENT if (room - (rec - ALIGNMENT)) / room < ALIGNMENT_MAX_COST else room
-    return rec
+    if not fits(start):
+        return None, shrunk
+    guess = start + int((best - start) * (1 - plan.headroom))
+    room = best if fits(best) else max_batch_between(fits, start, best, guess)
+    return aligned_within(fits, room, plan.align), shrunk
 
 
 def confirm_mode(confirm: str | bool) -> str:
@@ -416,12 +424,14 @@ def _advise(result: GPUResult, sim: Source, card: GPU, start: int, request: Esti
         meets = None if epoch is None or plan.max_epoch_seconds is None else epoch <= plan.max_epoch_seconds
         result.curve.append(CurvePoint(batch_size=b, device_peak_bytes=device, step_seconds=step, epoch_seconds=epoch,
                                        meets_epoch_limit=meets))
-    rec = result.recommended_batch_size or best
+    if resolved_input.get("seq_len") is not None:  # a profile's input has every field, null ones too
+        result.max_tokens_per_batch = best * resolved_input["seq_len"]
+    rec = result.recommended_batch_size
+    if rec is None:
+        return  # step time, accumulation and learning rate are for the recommended batch
     result.step_seconds, result.epoch_seconds = timing(rec)
     if plan.max_epoch_seconds is not None and result.epoch_seconds is not None:
         result.meets_epoch_limit = result.epoch_seconds <= plan.max_epoch_seconds
-    if "seq_len" in resolved_input:
-        result.max_tokens_per_batch = best * resolved_input["seq_len"]
     if plan.target_global_batch is not None:
         a = accumulation_plan(plan.target_global_batch, rec, ranks)
         result.accumulation = AccumulationOut(micro_batch=a.micro_batch, steps=a.steps, ranks=a.ranks,

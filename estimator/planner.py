@@ -123,33 +123,34 @@ def affine_guess(peak_at_1: int, peak_at_2: int, capacity: int, start: int = 1) 
 
 
 # The real peak was above the prediction by up to 11 % in published runs
-# (16 runs: 12 above, typically by 2-6 %). A batch whose predicted peak is
-# at most (1 - h) of the usable memory survives an error e when
-# (1 + e)(1 - h) <= 1: h = 0.10 covers e = 11 %.
+# (16 runs: 12 above, typically by 2-6 %). A batch that fits in (1 - h) of
+# the usable memory survives an error e when (1 + e)(1 - h) <= 1: h = 0.10
+# covers e = 11 %.
 DEFAULT_HEADROOM = 0.10
 
 
-def headroom_batch(device_peak: Callable[[int], int], limit: int, start: int, best: int) -> int | None:
-    """Largest ``b`` in [start, best] with ``device_peak(b) <= limit``; None if not even ``start``.
+def headroom_capacity(usable: int, context: int, headroom: float) -> int:
+    """What the allocator may hold for the recommendation: (1 - headroom) of the usable memory, less the
+    CUDA context, so that the device peak (reserved + context) stays within (1 - headroom) x usable.
 
-    ``device_peak`` grows with the batch, though not strictly (allocator
-    blocks); the answer is always a batch whose peak was probed.
-
-    >>> headroom_batch(lambda b: 100 + 10 * b, limit=450, start=1, best=40)
-    35
+    >>> headroom_capacity(1000, 100, 0.10)
+    800
     """
-    if device_peak(start) > limit:
-        return None
-    if device_peak(best) <= limit:
-        return best
-    lo, hi = start, best  # invariant: peak(lo) <= limit < peak(hi)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if device_peak(mid) <= limit:
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    return max(int((1 - headroom) * usable) - context, 0)
+
+
+def aligned_within(fits: Callable[[int], bool], room: int, align: bool = True) -> int:
+    """``recommended(room)``, or the next multiple of 8 down while that stays cheap and ``fits``
+    fails there (fits is monotone only up to allocator blocks); else ``room`` itself, which fits.
+
+    >>> aligned_within(lambda b: b != 192, 199)
+    184
+    """
+    b = recommended(room, align)
+    while b != room and not fits(b):
+        lower = b - ALIGNMENT
+        b = lower if (room - lower) / room < ALIGNMENT_MAX_COST else room
+    return b
 
 
 def recommended(max_size: int | None, align: bool = True) -> int | None:

@@ -8,18 +8,19 @@
 
 from __future__ import annotations
 
-from estimator.allocator import Event
+from estimator.allocator import CONV_WORKSPACE, Event
 
 ORDER = ("parameter", "buffer", "gradient", "optimizer_state", "activation", "temporary", "input", "workspace")
 GIB = 2**30
 
 
 def category_timeline(events: list[Event]) -> dict[str, list[int]]:
-    """Live requested bytes per category after each event."""
+    """Live requested bytes per category after each event (cuDNN's workspaces with cuBLAS's, as the breakdown
+    counts them)."""
     live = dict.fromkeys(ORDER, 0)
     out: dict[str, list[int]] = {c: [] for c in ORDER}
     for e in events:
-        cat = e.category if e.category in live else "temporary"
+        cat = "workspace" if e.category == CONV_WORKSPACE else e.category if e.category in live else "temporary"
         live[cat] += e.nbytes if e.alloc else -e.nbytes
         for c in ORDER:
             out[c].append(live[c])

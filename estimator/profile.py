@@ -24,7 +24,7 @@ from typing import Any
 from estimator.allocator import SOFT_CATEGORIES, Event
 from estimator.trace import Trace
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: cuDNN workspaces (soft allocations), empty_cache, capability thresholds
 
 
 @dataclass(frozen=True)
@@ -190,6 +190,7 @@ class PortableProfile:
     first_steps: dict[str, AffineTrace]
     assumptions: list[str]
     versions: dict[str, str]
+    capability_thresholds: list[tuple[int, int]] = field(default_factory=list)  # part of the steps' keys
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -197,6 +198,7 @@ class PortableProfile:
             "request": self.request, "model": self.model, "parameter_count": self.parameter_count,
             "start": self.start, "flops": {k: list(v) for k, v in self.flops.items()}, "sdpa_calls": self.sdpa_calls,
             "assumptions": self.assumptions,
+            "capability_thresholds": [list(t) for t in self.capability_thresholds],
             "steps": {k: v.to_json() for k, v in self.steps.items()},
             "first_steps": {k: v.to_json() for k, v in self.first_steps.items()},
         }
@@ -214,6 +216,7 @@ class PortableProfile:
                        {k: (int(v[0]), int(v[1])) for k, v in doc["flops"].items()}, list(doc["sdpa_calls"]),
                        {k: from_json(v) for k, v in doc["steps"].items()},
                        {k: from_json(v) for k, v in doc["first_steps"].items()},
-                       list(doc["assumptions"]), dict(doc["versions"]))
+                       list(doc["assumptions"]), dict(doc["versions"]),
+                       [(int(a), int(b)) for a, b in doc["capability_thresholds"]])
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise SpecError("--profile", f"{type(exc).__name__}: {exc}", "a complete batchfit profile") from exc

@@ -53,6 +53,8 @@ class Recipe:
                 "training.gradient_checkpointing", self.gradient_checkpointing,
                 "false, true, 'reentrant' or 'non-reentrant'",
             )
+        if not isinstance(self.cudnn_benchmark, bool):
+            raise SpecError("training.cudnn_benchmark", self.cudnn_benchmark, "true or false")
         if self.zero_grad_at not in ZERO_GRAD_AT:
             raise SpecError("training.zero_grad_at", self.zero_grad_at, f"one of {', '.join(ZERO_GRAD_AT)}")
         if not isinstance(self.grad_accumulation_steps, int) or self.grad_accumulation_steps < 1:

@@ -76,16 +76,19 @@ class Replays:
                                    self.reserve_bytes, step if isinstance(step, Trace) else None)
 
 
-def backends_key(calls: list[SdpaCall], gpu: GPU) -> str:
-    """The attention backends a step's SDPA calls get on ``gpu``, comma-joined ('' without SDPA)."""
-    return ",".join(backend_for(c, gpu.capability).name for c in calls)
+def backends_key(calls: list[SdpaCall], gpu: GPU, thresholds: list[tuple[int, int]] = ()) -> str:
+    """The attention backends a step's SDPA calls get on ``gpu``, comma-joined ('' without SDPA), then
+    which side of each capability threshold of the step's kernels the card is on (';sm8.0+', ';sm8.0-')."""
+    key = ",".join(backend_for(c, gpu.capability).name for c in calls)
+    return key + "".join(f";sm{t[0]}.{t[1]}{'+' if gpu.capability >= tuple(t) else '-'}" for t in thresholds)
 
 
 class Simulator(Replays):
     """Full simulations of one model and recipe, shared between cards that simulate alike.
 
     A trace depends on the card only through the attention backends its
-    SDPA calls get, unless the step asked torch.cuda about the card (then it
+    SDPA calls get and the capability thresholds its kernels turned on
+    (cuDNN convolutions in bf16 from sm80), unless the step asked torch.cuda about the card (then it
     is the card's own). The cuBLAS workspace (8 MiB + 128 KiB, 32 MiB on Hopper) is one
     allocation of category ``workspace`` whose size each report takes from
     its card.
@@ -111,7 +114,7 @@ class Simulator(Replays):
         probe = self._probe
         if probe is None or probe.card_queries:
             return ("card", gpu.name, gpu.capability, gpu.memory_bytes, gpu.cublas_workspace_bytes)
-        return ("shared", backends_key(probe.sdpa_calls, gpu))
+        return ("shared", backends_key(probe.sdpa_calls, gpu, probe.capability_thresholds))
 
     def _record(self, batch: int, gpu: GPU) -> Trace:
         b = self.built
@@ -228,7 +231,8 @@ class Simulator(Replays):
 
     def backend_key(self, gpu: GPU) -> str:
         """The attention backends the step's SDPA calls get on ``gpu``, as a profile key."""
-        return backends_key(self._probe.sdpa_calls if self._probe is not None else [], gpu)
+        probe = self._probe
+        return backends_key(probe.sdpa_calls, gpu, probe.capability_thresholds) if probe is not None else ""
 
 
 class ProfileReplayer(Replays):
@@ -245,7 +249,7 @@ class ProfileReplayer(Replays):
                                c["has_mask"], c["requires_grad"]) for c in profile.sdpa_calls]
 
     def signature(self, gpu: GPU) -> str:
-        key = backends_key(self.calls, gpu)
+        key = backends_key(self.calls, gpu, self.doc.capability_thresholds)
         if key not in self.doc.steps:
             raise SpecError("gpus", gpu.name, f"a card whose attention backends ({key or 'none'}) the profile "
                             f"was traced for ({', '.join(self.doc.steps) or 'none'}); re-run batchfit profile")

@@ -143,9 +143,9 @@ class PlannerSpec(BaseModel):
     reserve_bytes: int = Field(256 * 2**20, ge=0, le=2**40,
                                description="kept free on every card besides the CUDA context (safety margin)")
     headroom: float = Field(0.10, ge=0.0, lt=1.0, examples=[0.10], description=(
-        "recommended_batch_size is the largest batch whose predicted device peak is at most (1 - headroom) of "
-        "the usable memory (capacity - CUDA context - reserve_bytes); max_batch_size stays the simulator's "
-        "exact answer. 0.10 covers the largest error seen against published runs (+11 %)"))
+        "recommended_batch_size is the largest batch that fits with its device peak (reserved + CUDA context) "
+        "at most (1 - headroom) of the usable memory (capacity - CUDA context - reserve_bytes); max_batch_size "
+        "stays the simulator's exact answer. 0.10 covers the largest error seen against published runs (+11 %)"))
     curve_points: int = Field(10, ge=0, le=50, description="about this many batch sizes in the memory curve "
                               "(powers of two, then 3 x 2^k, up to the max; 0: no curve)")
     data_parallel_ranks: int = Field(1, ge=1, le=65536)
@@ -212,15 +212,17 @@ class GPUResult(BaseModel):
     min_batch_size: int = Field(1, description="smallest batch that trains (2 when batch norm sees 1x1 maps)")
     max_batch_size: int | None = Field(description="largest batch whose simulated step never fails; null: not even 1")
     recommended_batch_size: int | None = Field(description="the largest batch (aligned, see planner.align) "
-                                               "whose predicted device peak leaves planner.headroom of the usable "
-                                               "memory free; null when not even the smallest batch does")
+                                               "that fits with planner.headroom of the usable memory kept free; "
+                                               "null when not even the smallest batch does")
     search: str = Field("", description="how the max was found: 'affine, checked at batch N' (replays of the "
                         "synthesized trace, which a full simulation at N reproduced exactly), 'affine, confirmed' "
                         "(full simulations at max and max + 1 agree), 'affine' (fit checked at a small batch), "
                         "or 'full' (full simulations only)")
     memory: MemoryAtBatch
     max_memory: MemoryAtBatch | None = Field(None, description="memory at max_batch_size")
-    recommended_memory: MemoryAtBatch | None = Field(None, description="memory at recommended_batch_size")
+    recommended_memory: MemoryAtBatch | None = Field(None, description="memory at recommended_batch_size with "
+                                                     "the allocator held to the headroom (an allocator left free "
+                                                     "caches more, as it does at the max)")
     curve: list[CurvePoint] = Field(default_factory=list, description="device peak at batch sizes up to the max")
     step_seconds: float | None = Field(None, description="one optimizer step at the recommended batch")
     epoch_seconds: float | None = Field(None, description="one epoch of dataset_size at the recommended batch")

@@ -21,7 +21,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry as _FLOPS
 
-from estimator.allocator import SOFT_CATEGORIES, Event
+from estimator.allocator import CONV_WORKSPACE, SOFT_CATEGORIES, Event
 from estimator.checkpointing import enable_checkpointing
 from estimator.errors import BatchTooSmallError, DataDependentError, SimulationError, SpecError
 from estimator.gpus import GPU
@@ -69,6 +69,8 @@ class Trace:
     flops: int = 0
     sdpa_calls: list = field(default_factory=list)  # what the card-dependent attention choices read
     card_queries: list[str] = field(default_factory=list)  # torch.cuda queries the step made
+    # compute capabilities at which the step's kernels change (cuDNN for bf16 convs from sm80, ...)
+    capability_thresholds: list[tuple[int, int]] = field(default_factory=list)
 
     def sizes(self, workspace: int) -> list[int]:
         """Each allocation's bytes, the cuBLAS workspace as ``workspace`` (the card's own: a trace is shared)."""
@@ -155,7 +157,7 @@ class Recorder:
             thread = "backward" if self.vgpu.engine.node_stack else "forward"
             for kind, nbytes in self.convs.actions(name, args, out, thread):
                 # freed as the call returns: transient, but its block stays cached
-                aid = self._alloc(nbytes, f"cudnn_{kind}[{name}]", "conv_workspace" if kind == WORKSPACE else kind)
+                aid = self._alloc(nbytes, f"cudnn_{kind}[{name}]", CONV_WORKSPACE if kind == WORKSPACE else kind)
                 self.trace.events.append((False, aid))
                 self.live_bytes -= nbytes
 
@@ -355,6 +357,8 @@ def record_training(
         ):
             _run(vgpu, recorder, meta_model, batch_factory, loss_fn, batch_size, recipe)
     trace = recorder.finish()
+    if convs is not None:
+        trace.capability_thresholds = sorted(convs.thresholds)
     if convs is not None and convs.calls:
         trace.assumptions.append(CUDNN_ASSUMPTION)
         if recipe.cudnn_benchmark:
@@ -424,13 +428,15 @@ def _forward(vgpu, recorder, model, inputs, targets, loss_fn, recipe, keep=()) -
     vgpu.autocast(recipe.autocast_dtype)
     try:
         recorder.phase = "forward"
-        inputs = _call("forward", lambda: recipe.forward_inputs(inputs, keep), recorder)
-        if isinstance(inputs, dict):
-            out = _call("forward", lambda: model(**inputs), recorder)
-        elif isinstance(inputs, (tuple, list)):
-            out = _call("forward", lambda: model(*inputs), recorder)
+        # pure bf16: the copy lives as long as the forward (and what autograd saves of it), as in Fabric
+        fwd = _call("forward", lambda: recipe.forward_inputs(inputs, keep), recorder)
+        if isinstance(fwd, dict):
+            out = _call("forward", lambda: model(**fwd), recorder)
+        elif isinstance(fwd, (tuple, list)):
+            out = _call("forward", lambda: model(*fwd), recorder)
         else:
-            out = _call("forward", lambda: model(inputs), recorder)
+            out = _call("forward", lambda: model(fwd), recorder)
+        del fwd
         recorder.phase = "loss"
         loss = _call("loss", lambda: loss_fn(out, targets), recorder)
         del out

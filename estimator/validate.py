@@ -218,12 +218,13 @@ def _child(doc: dict[str, Any]) -> Measurement:
                 optimizer.zero_grad(set_to_none=recipe.zero_grad_set_to_none)
             for micro in range(recipe.grad_accumulation_steps):
                 inputs, targets = built.batch_factory(batch, torch.device("cuda"))
-                batch_inputs, inputs = inputs, recipe.forward_inputs(
-                    inputs, getattr(built.batch_factory, "keep_dtype", ()))  # the fp32 batch stays alive
                 with torch.autocast("cuda", dtype=recipe.autocast_dtype or torch.float32,
                                     enabled=recipe.autocast_dtype is not None):
-                    out = model(**inputs) if isinstance(inputs, dict) else (
-                        model(*inputs) if isinstance(inputs, (tuple, list)) else model(inputs))
+                    # pure bf16: a copy for the forward alone; the fp32 batch stays alive (as simulated)
+                    fwd = recipe.forward_inputs(inputs, getattr(built.batch_factory, "keep_dtype", ()))
+                    out = model(**fwd) if isinstance(fwd, dict) else (
+                        model(*fwd) if isinstance(fwd, (tuple, list)) else model(fwd))
+                    del fwd
                     loss = built.loss_fn(out, targets)
                 del out
                 if micro == 0 and recipe.zero_grad_at == "after-forward":
@@ -231,7 +232,7 @@ def _child(doc: dict[str, Any]) -> Measurement:
                 if recipe.grad_accumulation_steps > 1:
                     loss = loss / recipe.grad_accumulation_steps
                 (scaler.scale(loss) if scaler else loss).backward()
-                del loss, inputs, targets, batch_inputs
+                del loss, inputs, targets
             if scaler:
                 scaler.step(optimizer)
                 scaler.update()

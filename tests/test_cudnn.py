@@ -138,3 +138,45 @@ def test_cudnn_benchmark_in_the_request() -> None:
     assert any("cudnn.benchmark" in line for line in bench.assumptions)
     assert any("im2col" in line for line in plain.assumptions)
     assert plain.results[0].memory.fits and bench.results[0].memory.fits
+
+
+def test_cards_on_either_side_of_sm80_do_not_share_a_bf16_conv_trace() -> None:
+    """bf16 convolutions reach cuDNN (and its workspaces) from sm80 on: a V100 and an A100 trace apart."""
+    body = {"model": {"source": "torchvision", "name": "resnet18"}, "input": {"image_size": [3, 64, 64]},
+            "training": {"precision": "bf16"}, "batch_size": 32, "planner": {"curve_points": 0}}
+    mixed = estimate(parse_request({**body, "gpus": ["V100-16GB", "A100-40GB"]}))
+    alone = estimate(parse_request({**body, "gpus": ["A100-40GB"]}))
+    assert mixed.results[1].memory == alone.results[0].memory
+    assert mixed.results[1].max_batch_size == alone.results[0].max_batch_size
+    assert mixed.results[0].memory != mixed.results[1].memory  # no workspaces on the V100
+
+
+def test_a_profile_keeps_the_capability_thresholds(tmp_path) -> None:
+    from estimator.estimate import estimate_from_profile, make_profile
+    from estimator.profile import PortableProfile
+
+    body = {"model": {"source": "torchvision", "name": "resnet18"}, "input": {"image_size": [3, 64, 64]},
+            "training": {"precision": "bf16"}, "gpus": ["A100-40GB"]}
+    profile = make_profile(parse_request(body))
+    assert profile.capability_thresholds == [(8, 0)]
+    assert sorted(profile.steps) == [";sm8.0+", ";sm8.0-"]  # no SDPA; either side of sm80
+    again = PortableProfile.from_json(profile.to_json())
+    from_profile = estimate_from_profile(again, gpus=["V100-16GB", "A100-40GB"], batch_size=32)
+    direct = estimate(parse_request({**body, "gpus": ["V100-16GB", "A100-40GB"], "batch_size": 32,
+                                     "planner": {"confirm": "none"}}))
+    assert [r.max_batch_size for r in from_profile.results] == [r.max_batch_size for r in direct.results]
+
+
+def test_expandable_segments_with_workspaces_and_empty_cache() -> None:
+    """The soft workspace is refused without unmapping anything, and emptyCache keeps the pages mapped:
+    the replay's reserved bytes never drop below what is allocated."""
+    cfg = AllocatorConfig(capacity=32 * MIB, expandable_segments=True)
+    events = [(True, 0), (False, 0), (True, 1), (False, 1), (True, 2), (True, 3), (False, 3), (True, 4)]
+    sizes = [30 * MIB, 0, 10 * MIB, 30 * MIB, 12 * MIB]
+    cats = ["temporary", "empty_cache", "activation", "conv_workspace", "activation"]
+    r = replay_sized(events, sizes, cats, cfg)
+    assert r.fits and r.failed_mallocs == 1  # the 30 MiB workspace beside 10 MiB on a 32 MiB card
+    assert all(res >= alloc for res, alloc in zip(r.reserved, r.allocated))
+    # 30 MiB mapped for the first request, reused by 10 + 12 MiB: nothing more mapped, nothing unmapped
+    assert r.reserved == [30 * MIB] * len(events)
+    assert r.allocated[-1] == 22 * MIB  # and the workspace never was

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 
 from estimator.gpus import CATALOG, MIB, custom_gpu, get_gpu
 from estimator.models import BuiltModel, build
-from estimator.planner import DEFAULT_HEADROOM, DEFAULT_RESERVE_BYTES, recommended
+from estimator.planner import DEFAULT_HEADROOM, DEFAULT_RESERVE_BYTES, headroom_capacity, recommended
 from estimator.profile import fit
 from estimator.recipe import Recipe
 from estimator.report import report_from_trace
@@ -112,16 +113,20 @@ def test_max_fits_and_max_plus_one_does_not(model, inp) -> None:
         assert best is not None and result.search.startswith("affine, checked at batch ")
         assert int(result.search.rsplit(" ", 1)[1]) > best  # the check lies past every card's answer
 
-        def report(b: int):
-            trace = record_training(built.factory, built.batch_factory, built.loss_fn, b, recipe, card)
-            return report_from_trace(trace, b, card, reserve_bytes=DEFAULT_RESERVE_BYTES)
+        def report(b: int, on=card):
+            trace = record_training(built.factory, built.batch_factory, built.loss_fn, b, recipe, on)
+            return report_from_trace(trace, b, on, reserve_bytes=DEFAULT_RESERVE_BYTES)
         assert report(best).fits, f"{result.gpu}: {best} should fit"
         assert not report(best + 1).fits, f"{result.gpu}: {best + 1} should not fit"
-        # the recommendation leaves the headroom, on a fresh simulation too
+        # the recommendation fits with the allocator held to the headroom, on a fresh simulation too
         rec = result.recommended_batch_size
         assert rec <= best
-        limit = (1 - DEFAULT_HEADROOM) * card.usable_bytes(DEFAULT_RESERVE_BYTES)
-        assert report(rec).device_peak_bytes == result.recommended_memory.device_peak_bytes <= limit
+        usable = card.usable_bytes(DEFAULT_RESERVE_BYTES)
+        held = dataclasses.replace(card, memory_bytes=headroom_capacity(usable, card.context_bytes, DEFAULT_HEADROOM)
+                                   + card.context_bytes + DEFAULT_RESERVE_BYTES)
+        fresh = report(rec, held)
+        assert fresh.fits and fresh.device_peak_bytes == result.recommended_memory.device_peak_bytes
+        assert fresh.device_peak_bytes <= (1 - DEFAULT_HEADROOM) * usable
 
 
 def test_a_bigger_card_never_gets_a_smaller_max() -> None:

@@ -45,8 +45,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from estimator.allocator import EMPTY_CACHE
+
 WORKSPACE = "workspace"
-EMPTY_CACHE = "empty_cache"
 
 ASSUMPTION = (
     "cuDNN convolution workspaces: one per convolution call (forward, backward-data, backward-weight), "
@@ -72,12 +73,16 @@ def col_bytes(inp: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, transp
 
 
 def uses_cudnn(inp: torch.Tensor, weight: torch.Tensor, groups: int, transposed: bool,
-               capability: tuple[int, int]) -> bool:
-    """Whether torch's backend choice (Convolution.cpp ``_select_conv_backend``) gives cuDNN."""
+               capability: tuple[int, int], thresholds: set[tuple[int, int]] | None = None) -> bool:
+    """Whether torch's backend choice (Convolution.cpp ``_select_conv_backend``) gives cuDNN;
+    the compute capabilities the answer turned on are added to ``thresholds``."""
+    seen = thresholds if thresholds is not None else set()
     if inp.numel() == 0:
         return False
-    if inp.dtype == torch.bfloat16 and capability < (8, 0):
-        return False
+    if inp.dtype == torch.bfloat16:
+        seen.add((8, 0))
+        if capability < (8, 0):
+            return False
     channels = inp.shape[1]
     depthwise = not transposed and groups > 1 and groups == channels and weight.shape[0] % channels == 0
     if depthwise:
@@ -85,8 +90,12 @@ def uses_cudnn(inp: torch.Tensor, weight: torch.Tensor, groups: int, transposed:
             and not inp.is_contiguous()
         # use_cudnn_depthwise: always in channels_last; else fp16 4-D with >= 32 channels on sm70+ (its
         # workload table can still refuse: counting a workspace there is the upper bound)
-        return channels_last or (inp.dtype == torch.float16 and inp.dim() == 4 and channels >= 32
-                                 and capability >= (7, 0))
+        if channels_last:
+            return True
+        if inp.dtype == torch.float16 and inp.dim() == 4 and channels >= 32:
+            seen.add((7, 0))
+            return capability >= (7, 0)
+        return False
     return True
 
 
@@ -97,6 +106,7 @@ class ConvWorkspaces:
     capability: tuple[int, int]
     benchmark: bool = False
     searched: set[tuple] = field(default_factory=set)  # benchmark cache keys already timed
+    thresholds: set[tuple[int, int]] = field(default_factory=set)  # capabilities the choices turned on
     calls: int = 0
 
     def actions(self, name: str, args: tuple, out: object, thread: str) -> list[tuple[str, int]]:
@@ -111,7 +121,8 @@ class ConvWorkspaces:
             passes = [(d, inp, grad_out) for d, wanted in (("data", mask[0]), ("weight", mask[1])) if wanted]
         else:
             return []
-        if not isinstance(inp, torch.Tensor) or not uses_cudnn(inp, weight, groups, transposed, self.capability):
+        if not isinstance(inp, torch.Tensor) or not uses_cudnn(inp, weight, groups, transposed, self.capability,
+                                                                  self.thresholds):
             return []
         done: list[tuple[str, int]] = []
         for direction, x, y in passes:

@@ -1,0 +1,71 @@
+"""Recorded answers for 20 requests: what a refactor must leave byte for byte as it was.
+
+    python tests/golden.py          # re-record tests/golden.json (only when an answer is meant to change)
+
+Each request runs through ``estimate`` on three cards (sm75, sm80, sm90);
+per card the max and recommended batch, how the max was found, and the
+allocated, reserved and device peaks at the max.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+PATH = Path(__file__).with_name("golden.json")
+CARDS = ["T4-16GB", "A100-40GB", "H100-80GB"]
+TV = lambda name, **k: {"source": "torchvision", "name": name, **k}  # noqa: E731
+TIMM = lambda name: {"source": "timm", "name": name}  # noqa: E731
+HF = lambda preset, **k: {"source": "transformers", "preset": preset, **k}  # noqa: E731
+SMALL = {"image_size": [3, 64, 64]}
+LLAMA = {"model_type": "llama", "hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 4,
+         "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 32000, "max_position_embeddings": 2048}
+
+# name -> (model, input, training)
+REQUESTS: dict[str, tuple[dict, dict, dict]] = {
+    "resnet18 fp32": (TV("resnet18"), {}, {}),
+    "resnet50 amp-bf16": (TV("resnet50"), {}, {"precision": "amp-bf16"}),
+    "resnet50 amp-fp16 sgd": (TV("resnet50"), SMALL, {"precision": "amp-fp16", "optimizer": {"name": "sgd"}}),
+    "resnet18 bf16": (TV("resnet18"), SMALL, {"precision": "bf16"}),
+    "resnet18 cudnn.benchmark": (TV("resnet18"), SMALL, {"cudnn_benchmark": True}),
+    "mobilenet_v3_small fp32": (TV("mobilenet_v3_small"), {}, {}),
+    "efficientnet_b0 amp-bf16": (TV("efficientnet_b0"), SMALL, {"precision": "amp-bf16"}),
+    "vit_b_16 zero_grad after-forward": (TV("vit_b_16"), {}, {"precision": "amp-bf16",
+                                                             "zero_grad_at": "after-forward"}),
+    "fcn_resnet50 fp32": (TV("fcn_resnet50"), {"image_size": [3, 128, 128]}, {}),
+    "r3d_18 amp-bf16": (TV("r3d_18"), {"image_size": [3, 64, 64], "num_frames": 8}, {"precision": "amp-bf16"}),
+    "timm resnet18 accumulation": (TIMM("resnet18"), SMALL, {"grad_accumulation_steps": 2}),
+    "timm convnext_atto amp-bf16": (TIMM("convnext_atto"), SMALL, {"precision": "amp-bf16"}),
+    "timm deit_tiny checkpointing": (TIMM("deit_tiny_patch16_224"), {}, {"gradient_checkpointing": True}),
+    "gpt2 s256 amp-bf16": (HF("gpt2"), {"seq_len": 256}, {"precision": "amp-bf16"}),
+    "gpt2 s256 eager fp32": (HF("gpt2", attn_implementation="eager"), {"seq_len": 256}, {}),
+    "bert-base seq-cls s128": (HF("bert-base-uncased", task="sequence-classification"), {"seq_len": 128},
+                               {"precision": "amp-fp16"}),
+    "distilbert s128 adam": (HF("distilbert-base-uncased"), {"seq_len": 128}, {"optimizer": {"name": "adam"}}),
+    "t5-small s128": (HF("t5-small"), {"seq_len": 128}, {"precision": "amp-bf16"}),
+    "vit preset 4 layers bf16": (HF("vit-base-patch16-224", task="image-classification",
+                                    config={"num_hidden_layers": 4}), {}, {"precision": "bf16"}),
+    "llama 4 layers s512 ckpt": ({"source": "transformers", "config": LLAMA, "task": "causal-lm"},
+                                 {"seq_len": 512}, {"precision": "amp-fp16", "gradient_checkpointing": True}),
+}
+
+
+def answers(name: str) -> list[dict]:
+    from estimator.estimate import estimate
+    from estimator.spec import parse_request
+
+    model, inp, training = REQUESTS[name]
+    request = parse_request({"model": model, "input": inp, "training": training, "gpus": CARDS,
+                             "planner": {"curve_points": 0}})
+    return [{"gpu": r.gpu, "max": r.max_batch_size, "recommended": r.recommended_batch_size, "search": r.search,
+             "allocated": r.memory.allocated_peak_bytes, "reserved": r.memory.reserved_peak_bytes,
+             "device": r.memory.device_peak_bytes} for r in estimate(request).results]
+
+
+if __name__ == "__main__":
+    recorded = {}
+    for name in REQUESTS:
+        recorded[name] = answers(name)
+        print(name, [(a["gpu"], a["max"], a["recommended"]) for a in recorded[name]], file=sys.stderr)
+    PATH.write_text(json.dumps(recorded, indent=1) + "\n")
