@@ -21,7 +21,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry as _FLOPS
 
-from estimator.allocator import CONV_WORKSPACE, SOFT_CATEGORIES, Event
+from estimator.allocator import CONV_WORKSPACE, EMPTY_CACHE, SOFT_CATEGORIES, Event
 from estimator.checkpointing import enable_checkpointing
 from estimator.errors import BatchTooSmallError, DataDependentError, SimulationError, SpecError
 from estimator.gpus import GPU
@@ -29,7 +29,7 @@ from estimator.optimizers import build_optimizer
 from estimator.recipe import Recipe
 from estimator.virtual_gpu import VirtualGPU
 from estimator.virtual_gpu.cudnn import ASSUMPTION as CUDNN_ASSUMPTION
-from estimator.virtual_gpu.cudnn import BENCHMARK_ASSUMPTION, WORKSPACE, ConvWorkspaces
+from estimator.virtual_gpu.cudnn import BENCHMARK_ASSUMPTION, COLUMNS, WORKSPACE, ConvWorkspaces
 from estimator.virtual_gpu.worst_case import WorstCase
 
 CATEGORIES = (
@@ -40,6 +40,9 @@ CATEGORIES = (
 _CUBLAS_OPS = frozenset(
     name for name in ("mm", "addmm", "bmm", "baddbmm", "addbmm", "_addmm_activation", "addmv", "mv", "_scaled_mm")
 )
+
+# what each convolution action is in the trace
+_CONV_CATEGORY = {WORKSPACE: CONV_WORKSPACE, COLUMNS: "temporary", EMPTY_CACHE: EMPTY_CACHE}
 
 ModelFactory = Callable[[], torch.nn.Module]
 BatchFactory = Callable[[int, torch.device], tuple[Any, Any]]
@@ -126,6 +129,7 @@ class Recorder:
         vgpu.memory_allocated = lambda: self.live_bytes
         vgpu.max_memory_allocated = lambda: self.peak_bytes
         vgpu.reset_peak = self._reset_peak
+        vgpu.empty_cache = lambda: self._transient(0, "torch.cuda.empty_cache", EMPTY_CACHE)
 
     def _reset_peak(self) -> None:
         self.peak_bytes = self.live_bytes
@@ -157,9 +161,13 @@ class Recorder:
             thread = "backward" if self.vgpu.engine.node_stack else "forward"
             for kind, nbytes in self.convs.actions(name, args, out, thread):
                 # freed as the call returns: transient, but its block stays cached
-                aid = self._alloc(nbytes, f"cudnn_{kind}[{name}]", CONV_WORKSPACE if kind == WORKSPACE else kind)
-                self.trace.events.append((False, aid))
-                self.live_bytes -= nbytes
+                self._transient(nbytes, f"{kind}[{name}]", _CONV_CATEGORY[kind])
+
+    def _transient(self, nbytes: int, op: str, category: str) -> None:
+        """An allocation freed right away: a workspace, or an empty_cache call (0 bytes, its category)."""
+        aid = self._alloc(nbytes, op, category)
+        self.trace.events.append((False, aid))
+        self.live_bytes -= nbytes
 
     def track(self, t: torch.Tensor, op: str) -> None:
         storage = t.untyped_storage()

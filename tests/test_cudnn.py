@@ -50,11 +50,11 @@ COL_STEM = 3 * 1 * 1 * 8 * 32 * 32 * 4
 def test_one_workspace_per_convolution_call_sized_as_the_im2col_matrix() -> None:
     report = _step(A100)
     assert _workspaces(report) == [
-        ("forward", "cudnn_workspace[convolution]", COL_STEM),
-        ("forward", "cudnn_workspace[convolution]", COL_3x3),
-        ("backward", "cudnn_workspace[convolution_backward]", COL_3x3),  # backward-data
-        ("backward", "cudnn_workspace[convolution_backward]", COL_3x3),  # backward-weight
-        ("backward", "cudnn_workspace[convolution_backward]", COL_STEM),  # the stem: weight only (x needs none)
+        ("forward", "workspace[convolution]", COL_STEM),
+        ("forward", "workspace[convolution]", COL_3x3),
+        ("backward", "workspace[convolution_backward]", COL_3x3),  # backward-data
+        ("backward", "workspace[convolution_backward]", COL_3x3),  # backward-weight
+        ("backward", "workspace[convolution_backward]", COL_STEM),  # the stem: weight only (x needs none)
     ]
     assert COL_3x3 == 18_874_368
     # transient: nothing is allocated between a workspace and its free (the call returns; a burst of
@@ -84,7 +84,7 @@ HALF = [COL_STEM // 2, COL_3x3 // 2, COL_3x3 // 2, COL_3x3 // 2, COL_STEM // 2] 
     # depthwise, contiguous, fp32: _conv_depthwise2d, no cuDNN; the 1x1 stem still reaches it
     (A100, "fp32", True, [COL_STEM, COL_STEM]),
     (A100, "bf16", False, HALF),      # bf16 on sm80: cuDNN v8
-    (T4, "bf16", False, []),          # bf16 before sm80: the native slow kernels, no cuDNN workspace
+    (T4, "bf16", False, []),          # bf16 before sm80: the slow im2col kernels, no cuDNN workspace (below)
     (T4, "amp-fp16", False, HALF),    # autocast casts the conv's inputs to fp16: cuDNN on sm75
 ])
 def test_which_convolutions_reach_cudnn(gpu, precision, depthwise, expected) -> None:
@@ -180,3 +180,17 @@ def test_expandable_segments_with_workspaces_and_empty_cache() -> None:
     # 30 MiB mapped for the first request, reused by 10 + 12 MiB: nothing more mapped, nothing unmapped
     assert r.reserved == [30 * MIB] * len(events)
     assert r.allocated[-1] == 22 * MIB  # and the workspace never was
+
+
+def test_bf16_before_sm80_takes_the_slow_kernels_with_one_samples_columns() -> None:
+    """ConvolutionMM2d.cu: columns = (C_in x kH x kW) x (H_out x W_out) for one sample, reused over the batch;
+    an ordinary allocation (no fallback), freed when the call returns."""
+    report = _step(T4, Recipe(precision="bf16"))
+    columns = [(a.phase, a.op, a.nbytes, a.category) for a in report.trace.allocations
+               if a.op.startswith("columns") and a.iteration == 1]
+    assert columns == [
+        # the 1x1 stem's forward needs none (requires_columns is false); the 3x3 conv's: 64 x 9 x 32 x 32 bf16
+        ("forward", "columns[convolution]", 64 * 9 * 32 * 32 * 2, "temporary"),
+        ("backward", "columns[convolution_backward]", 64 * 9 * 32 * 32 * 2, "temporary"),  # data + weight
+        ("backward", "columns[convolution_backward]", 3 * 1 * 32 * 32 * 2, "temporary"),  # the stem's weight
+    ]

@@ -131,3 +131,48 @@ def test_report_fields_and_capacity() -> None:
     assert r.device_peak_bytes - r.reserved_peak_bytes == r.context_bytes
     assert r.fits and r.breakdown.parameters > 0 and r.peak_phase
     assert r.breakdown.total() == r.allocated_peak_bytes
+
+
+class EmptiesTheCache(nn.Module):
+    """Frees a large temporary, then calls torch.cuda.empty_cache() (some training scripts do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(1024, 10)
+
+    def forward(self, x):
+        big = torch.relu(x.repeat(1, 16))  # (B, 16384) fp32: at B = 512, 32 MiB, and 32 MiB more for the relu
+        del big
+        torch.cuda.empty_cache()
+        return self.fc(x)
+
+
+def test_the_models_own_empty_cache_releases_the_cached_segments() -> None:
+    from estimator.allocator import AllocatorConfig, replay_sized
+
+    def batch(b, device):
+        return torch.empty(b, 1024, device=device), torch.zeros(b, dtype=torch.long, device=device)
+
+    report = estimate_memory(EmptiesTheCache, batch, F.cross_entropy, 512, gpu=get_gpu("A100-80GB"))
+    trace = report.trace
+    calls = [k for k, a in enumerate(trace.allocations) if a.category == "empty_cache"]
+    assert [(trace.allocations[k].op, trace.allocations[k].nbytes) for k in calls] == \
+        [("torch.cuda.empty_cache", 0)] * 2  # once per step
+    sizes, cats = trace.sizes(get_gpu("A100-80GB").cublas_workspace_bytes), trace.categories()
+    honoured = replay_sized(trace.events, sizes, cats, AllocatorConfig())
+    ignored = replay_sized(trace.events, sizes, ["temporary" if c == "empty_cache" else c for c in cats],
+                           AllocatorConfig())
+    after = trace.events.index((True, calls[0]))
+    # the two freed 32 MiB blocks were whole cached segments: released, 64 MiB less reserved
+    assert ignored.reserved[after] - honoured.reserved[after] == 64 * 2**20
+
+
+def test_amp_bf16_with_checkpointing_on_a_card_that_emulates_bf16() -> None:
+    """torch.cuda.is_bf16_supported() is true on a T4 (emulated): autocast in bf16, and checkpoint's recompute,
+    run there as on the card."""
+    recipe = Recipe(precision="amp-bf16", gradient_checkpointing=True)
+    mf, bf, lf = ZOO["checkpoint"]
+    report = estimate_memory(mf, bf, lf, 4, recipe=recipe, gpu=get_gpu("T4-16GB"))
+    assert report.fits
+    with VirtualGPU(get_gpu("T4-16GB")):
+        assert torch.cuda.is_bf16_supported() and not torch.cuda.is_bf16_supported(including_emulation=False)

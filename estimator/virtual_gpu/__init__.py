@@ -89,6 +89,7 @@ class VirtualGPU:
         self.memory_allocated: Callable[[], int] = lambda: 0
         self.max_memory_allocated: Callable[[], int] = lambda: 0
         self.reset_peak: Callable[[], None] = lambda: None
+        self.empty_cache: Callable[[], None] = lambda: None  # the model's own torch.cuda.empty_cache()
         self._patches = Patches()
         self._fake: FakeMode | None = None
         self._mode: _DispatchMode | None = None
@@ -118,6 +119,7 @@ class VirtualGPU:
                     lambda: self.max_memory_allocated(),
                     lambda: self.reset_peak(),
                     self.card_queries.append,
+                    lambda: self.empty_cache(),
                 )
                 # DESIGN fact 5: the attention backend the card would pick.
                 p.set(torch.nn.functional, "scaled_dot_product_attention",

@@ -31,7 +31,7 @@ Convolutions that do not reach cuDNN allocate no workspace: depthwise ones
 in contiguous layout outside fp16 (``_conv_depthwise2d``, ConvUtils.h
 ``use_cudnn_depthwise``), empty inputs, and bf16 before sm80
 (``supportsBFloat16ConvolutionWithCuDNNv8``: those take the slow im2col
-kernels, not modelled here).
+kernels, whose one-sample ``columns`` buffer is an ordinary allocation).
 
 >>> x = torch.empty(8, 64, 32, 32, device="meta"); w = torch.empty(128, 64, 3, 3, device="meta")
 >>> col_bytes(x, w, torch.empty(8, 128, 32, 32, device="meta"), transposed=False)  # 64*9 x 8*32*32 fp32
@@ -48,6 +48,7 @@ import torch
 from estimator.allocator import EMPTY_CACHE
 
 WORKSPACE = "workspace"
+COLUMNS = "columns"  # the slow kernels' im2col buffer: a plain temporary, not one cuDNN can do without
 
 ASSUMPTION = (
     "cuDNN convolution workspaces: one per convolution call (forward, backward-data, backward-weight), "
@@ -72,31 +73,35 @@ def col_bytes(inp: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, transp
     return cols * inp.element_size()
 
 
-def uses_cudnn(inp: torch.Tensor, weight: torch.Tensor, groups: int, transposed: bool,
-               capability: tuple[int, int], thresholds: set[tuple[int, int]] | None = None) -> bool:
-    """Whether torch's backend choice (Convolution.cpp ``_select_conv_backend``) gives cuDNN;
-    the compute capabilities the answer turned on are added to ``thresholds``."""
+CUDNN, SLOW, NATIVE = "cudnn", "slow", "native"
+
+
+def conv_backend(inp: torch.Tensor, weight: torch.Tensor, groups: int, transposed: bool,
+                 capability: tuple[int, int], thresholds: set[tuple[int, int]] | None = None) -> str:
+    """Which kernels torch's backend choice (Convolution.cpp ``_select_conv_backend``) gives: cuDNN, the
+    slow im2col kernels (bf16 before sm80) or a native one without a buffer (depthwise); the compute
+    capabilities the answer turned on are added to ``thresholds``."""
     seen = thresholds if thresholds is not None else set()
     if inp.numel() == 0:
-        return False
+        return NATIVE
+    channels = inp.shape[1]
+    depthwise = not transposed and groups > 1 and groups == channels and weight.shape[0] % channels == 0
     if inp.dtype == torch.bfloat16:
         seen.add((8, 0))
         if capability < (8, 0):
-            return False
-    channels = inp.shape[1]
-    depthwise = not transposed and groups > 1 and groups == channels and weight.shape[0] % channels == 0
+            return NATIVE if depthwise else SLOW
     if depthwise:
         channels_last = inp.dim() == 4 and inp.is_contiguous(memory_format=torch.channels_last) \
             and not inp.is_contiguous()
         # use_cudnn_depthwise: always in channels_last; else fp16 4-D with >= 32 channels on sm70+ (its
         # workload table can still refuse: counting a workspace there is the upper bound)
         if channels_last:
-            return True
+            return CUDNN
         if inp.dtype == torch.float16 and inp.dim() == 4 and channels >= 32:
             seen.add((7, 0))
-            return capability >= (7, 0)
-        return False
-    return True
+            return CUDNN if capability >= (7, 0) else NATIVE
+        return NATIVE
+    return CUDNN
 
 
 @dataclass
@@ -121,8 +126,18 @@ class ConvWorkspaces:
             passes = [(d, inp, grad_out) for d, wanted in (("data", mask[0]), ("weight", mask[1])) if wanted]
         else:
             return []
-        if not isinstance(inp, torch.Tensor) or not uses_cudnn(inp, weight, groups, transposed, self.capability,
-                                                                  self.thresholds):
+        if not isinstance(inp, torch.Tensor):
+            return []
+        backend = conv_backend(inp, weight, groups, transposed, self.capability, self.thresholds)
+        if backend == SLOW:
+            # ConvolutionMM2d.cu: one sample's columns, (C_in x kernel) x output pixels, reused over the
+            # batch; the backward shares one buffer between its data and weight passes
+            pointwise = all(k == 1 for k in weight.shape[2:]) and all(s == 1 for s in geometry[0]) \
+                and all(p == 0 for p in geometry[1])
+            if not passes or (name == "convolution" and pointwise):  # the forward's requires_columns
+                return []
+            return [(COLUMNS, col_bytes(inp, weight, passes[0][2], transposed) // inp.shape[0])]
+        if backend != CUDNN:
             return []
         done: list[tuple[str, int]] = []
         for direction, x, y in passes:

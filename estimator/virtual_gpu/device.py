@@ -59,6 +59,7 @@ def patch_cuda_queries(
     peak: Callable[[], int],
     reset_peak: Callable[[], None],
     on_query: Callable[[str], None] = lambda name: None,
+    empty_cache: Callable[[], None] = lambda: None,
 ) -> None:
     """Answer ``torch.cuda``'s device and memory queries for ``props``.
 
@@ -83,10 +84,14 @@ def patch_cuda_queries(
     patches.set(cuda, "get_device_properties", told("get_device_properties", lambda: props))
     patches.set(cuda, "get_device_capability", told("get_device_capability", capability))
     patches.set(cuda, "get_device_name", told("get_device_name", props.name))
-    patches.set(cuda, "is_bf16_supported", told("is_bf16_supported", props.major >= 8))
+    def is_bf16_supported(including_emulation: bool = True) -> bool:
+        # sm80+ natively; older cards emulate it, and torch's default counts that (it creates a bf16 tensor)
+        on_query("is_bf16_supported")
+        return props.major >= 8 or including_emulation
+    patches.set(cuda, "is_bf16_supported", is_bf16_supported)
     patches.set(cuda, "memory_allocated", lambda device=None: allocated())
     patches.set(cuda, "max_memory_allocated", lambda device=None: peak())
     patches.set(cuda, "reset_peak_memory_stats", lambda device=None: reset_peak())
     patches.set(cuda, "mem_get_info", told("mem_get_info", lambda: (props.total_memory - allocated(), props.total_memory)))
-    patches.set(cuda, "empty_cache", lambda: None)
+    patches.set(cuda, "empty_cache", empty_cache)
     patches.set(torch.backends.cuda, "is_built", lambda: True)
