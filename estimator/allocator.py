@@ -382,6 +382,7 @@ def replay_sized(events: Sequence[tuple[bool, int]], sizes: Sequence[int], categ
     peak_event = 0
     oom: int | None = None
     skipped: set[int] = set()  # soft allocations that could not be had, and empty_cache calls
+    special = {k for k, c in enumerate(categories) if c == EMPTY_CACHE or c in SOFT_CATEGORIES}
     for i, (is_alloc, k) in enumerate(events):
         if is_alloc:
             if k in live or k in skipped:
@@ -389,15 +390,17 @@ def replay_sized(events: Sequence[tuple[bool, int]], sizes: Sequence[int], categ
             nbytes = sizes[k]
             if nbytes < 0:
                 raise ReplayError(f"event {i}: nbytes {nbytes}; expected >= 0")
-            if categories[k] == EMPTY_CACHE:
+            if k not in special:
+                block = malloc(nbytes)
+                if block is None:
+                    oom = i
+                    break
+            elif categories[k] == EMPTY_CACHE:
                 if not config.expandable_segments:  # expandable: its pages stay mapped (see _malloc_expandable)
                     a._release_segments(lambda b: True)
                 block = None
             else:
-                block = malloc(nbytes, categories[k] in SOFT_CATEGORIES)
-                if block is None and categories[k] not in SOFT_CATEGORIES:
-                    oom = i
-                    break
+                block = malloc(nbytes, True)
             if block is None:
                 skipped.add(k)
             else:

@@ -221,6 +221,7 @@ def _answer(source: Source, request: EstimateRequest, cards: list[GPU], start: i
     results: list[GPUResult] = []
     shown: MemoryReport | None = None
     answers = _max_batches(source, cards, start, confirm_mode(plan.confirm), warnings)
+    gap = 2  # the headroom searches', as in _replay_searches
     for card, (best, how) in zip(cards, answers):
         at = request.batch_size or best or start
         report = source.report_fast(at, card)
@@ -231,7 +232,7 @@ def _answer(source: Source, request: EstimateRequest, cards: list[GPU], start: i
         for line in report.assumptions:
             if line not in assumptions:
                 assumptions.append(line)
-        rec, shrunk = _recommend(source, card, start, best, plan)
+        rec, shrunk, gap = _recommend(source, card, start, best, plan, gap)
         if best is not None and rec is None:
             warnings.append(f"{card.name}: batch {start} fits but not within {1 - plan.headroom:.1%} of the "
                             "usable memory (planner.headroom); no batch is recommended")
@@ -284,21 +285,28 @@ def _headroom_card(card: GPU, plan) -> GPU:
     return dataclasses.replace(card, memory_bytes=capacity + card.context_bytes + plan.reserve_bytes)
 
 
-def _recommend(source: Source, card: GPU, start: int, best: int | None, plan) -> tuple[int | None, GPU]:
+def _recommend(source: Source, card: GPU, start: int, best: int | None, plan,
+               gap: int = 2) -> tuple[int | None, GPU, int]:
     """(The largest batch, aligned, that fits with the allocator held to (1 - headroom) of the usable memory
-    less the CUDA context, the card as that replay sees it). Monotone like the max: the same searches."""
+    less the CUDA context; the card as that replay sees it; how far below its live-bytes bound the answer
+    lay, where the next card's search starts). Monotone like the max: the same searches."""
     shrunk = _headroom_card(card, plan)
     if best is None:
-        return None, shrunk
+        return None, shrunk, gap
 
     def fits(b: int) -> bool:
         return source.report_fast(b, shrunk).fits
 
     if not fits(start):
-        return None, shrunk
-    guess = start + int((best - start) * (1 - plan.headroom))
-    room = best if fits(best) else max_batch_between(fits, start, best, guess)
-    return aligned_within(fits, room, plan.align), shrunk
+        return None, shrunk, gap
+    profile = source.known_profile(card)
+    if profile is not None and profile.min_batch <= start + 1:  # replays from the live-bytes bound, as the max
+        room, gap = _replay_search(source, profile, shrunk, start, gap)
+        room = min(room, best)
+    else:
+        guess = start + int((best - start) * (1 - plan.headroom))
+        room = best if fits(best) else max_batch_between(fits, start, best, guess)
+    return aligned_within(fits, room, plan.align), shrunk, gap
 
 
 def confirm_mode(confirm: str | bool) -> str:

@@ -206,6 +206,10 @@ class Simulator(Replays):
                 self.profiles[sig] = None
         return self.profiles[sig]
 
+    def known_profile(self, gpu: GPU) -> AffineTrace | None:
+        """The checked affine trace for ``gpu``'s signature, if one is known already (no simulation)."""
+        return self.profiles.get(self.signature(gpu))
+
     def report_fast(self, batch: int, gpu: GPU) -> MemoryReport:
         """``report``, from the checked affine trace when one is known for the card and covers ``batch``
         (the same events a fresh simulation records), else simulated."""
@@ -257,6 +261,9 @@ class ProfileReplayer(Replays):
 
     def profile(self, start: int, gpu: GPU) -> AffineTrace:
         return self.doc.steps[self.signature(gpu)]
+
+    def known_profile(self, gpu: GPU) -> AffineTrace:
+        return self.profile(self.doc.start, gpu)
 
     def report(self, batch: int, gpu: GPU) -> MemoryReport:
         key = self.signature(gpu)
