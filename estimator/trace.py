@@ -432,19 +432,21 @@ def _run(vgpu, recorder, meta_model, batch_factory, loss_fn, batch_size, recipe)
         del batch
 
 
+def apply_model(model: torch.nn.Module, inputs: Any) -> Any:
+    """``model(inputs)``: a dict as keyword arguments, a tuple or list as positional ones."""
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
+
+
 def _forward(vgpu, recorder, model, inputs, targets, loss_fn, recipe, keep=()) -> torch.Tensor:
     vgpu.autocast(recipe.autocast_dtype)
     try:
         recorder.phase = "forward"
         # pure bf16: the copy lives as long as the forward (and what autograd saves of it), as in Fabric
-        fwd = _call("forward", lambda: recipe.forward_inputs(inputs, keep), recorder)
-        if isinstance(fwd, dict):
-            out = _call("forward", lambda: model(**fwd), recorder)
-        elif isinstance(fwd, (tuple, list)):
-            out = _call("forward", lambda: model(*fwd), recorder)
-        else:
-            out = _call("forward", lambda: model(fwd), recorder)
-        del fwd
+        out = _call("forward", lambda: apply_model(model, recipe.forward_inputs(inputs, keep)), recorder)
         recorder.phase = "loss"
         loss = _call("loss", lambda: loss_fn(out, targets), recorder)
         del out

@@ -187,6 +187,7 @@ def _child(doc: dict[str, Any]) -> Measurement:
     from estimator.models import build
     from estimator.optimizers import build_optimizer
     from estimator.spec import parse_request
+    from estimator.trace import apply_model
 
     request = parse_request(doc["request"])
     batch = int(doc["batch_size"])
@@ -221,10 +222,8 @@ def _child(doc: dict[str, Any]) -> Measurement:
                 with torch.autocast("cuda", dtype=recipe.autocast_dtype or torch.float32,
                                     enabled=recipe.autocast_dtype is not None):
                     # pure bf16: a copy for the forward alone; the fp32 batch stays alive (as simulated)
-                    fwd = recipe.forward_inputs(inputs, getattr(built.batch_factory, "keep_dtype", ()))
-                    out = model(**fwd) if isinstance(fwd, dict) else (
-                        model(*fwd) if isinstance(fwd, (tuple, list)) else model(fwd))
-                    del fwd
+                    keep = getattr(built.batch_factory, "keep_dtype", ())
+                    out = apply_model(model, recipe.forward_inputs(inputs, keep))
                     loss = built.loss_fn(out, targets)
                 del out
                 if micro == 0 and recipe.zero_grad_at == "after-forward":
