@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from estimator.allocator import AllocatorConfig, ReplayResult, replay_sized
+from estimator.allocator import CONV_WORKSPACE, AllocatorConfig, ReplayResult, replay_sized
 from estimator.gpus import GPU, get_gpu
 from estimator.recipe import Recipe
 from estimator.trace import BatchFactory, LossFn, ModelFactory, Trace, record_training
@@ -40,7 +40,7 @@ class Breakdown:
             activations=by_cat.get("activation", 0),
             temporaries=by_cat.get("temporary", 0),
             inputs=by_cat.get("input", 0),
-            workspace=by_cat.get("workspace", 0) + by_cat.get("conv_workspace", 0),
+            workspace=by_cat.get("workspace", 0) + by_cat.get(CONV_WORKSPACE, 0),
         )
 
     def total(self) -> int:
