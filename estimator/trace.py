@@ -152,13 +152,15 @@ class Recorder:
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type == self.device_type:
                 self.track(t, name)
-        if self.workspace_bytes and name in _CUBLAS_OPS:
-            thread = "backward" if self.vgpu.engine.node_stack else "forward"
-            if thread not in self.workspaces:
-                self.workspaces.add(thread)
-                self._alloc(self.workspace_bytes, f"cublas_workspace[{thread}]", "workspace")
-        if self.convs is not None and name.startswith("convolution"):
-            thread = "backward" if self.vgpu.engine.node_stack else "forward"
+        cublas = self.workspace_bytes and name in _CUBLAS_OPS
+        conv = self.convs is not None and name.startswith("convolution")
+        if not (cublas or conv):
+            return
+        thread = "backward" if self.vgpu.engine.node_stack else "forward"  # handles and caches are per thread
+        if cublas and thread not in self.workspaces:
+            self.workspaces.add(thread)
+            self._alloc(self.workspace_bytes, f"cublas_workspace[{thread}]", "workspace")
+        if conv:
             for kind, nbytes in self.convs.actions(name, args, out, thread):
                 # freed as the call returns: transient, but its block stays cached
                 self._transient(nbytes, f"{kind}[{name}]", _CONV_CATEGORY[kind])
@@ -367,10 +369,10 @@ def record_training(
     trace = recorder.finish()
     if convs is not None:
         trace.capability_thresholds = sorted(convs.thresholds)
-    if convs is not None and convs.calls:
-        trace.assumptions.append(CUDNN_ASSUMPTION)
-        if recipe.cudnn_benchmark:
-            trace.assumptions.append(BENCHMARK_ASSUMPTION)
+        if convs.calls:
+            trace.assumptions.append(CUDNN_ASSUMPTION)
+            if recipe.cudnn_benchmark:
+                trace.assumptions.append(BENCHMARK_ASSUMPTION)
     trace.unsupported.extend(vgpu.unsupported)
     trace.sdpa_calls = sorted(vgpu.sdpa_calls, key=repr)
     # FLOPs of one optimizer step's forward and backward passes (all accumulation micro-batches), steady state
