@@ -7,11 +7,7 @@ import hmac
 from fastapi import Request
 
 from app.settings import Settings
-
-
-class Unauthorized(Exception):
-    def __init__(self, detail: str) -> None:
-        super().__init__(detail)
+from estimator.errors import Unauthorized
 
 
 def check_key(request: Request, settings: Settings) -> None:

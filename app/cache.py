@@ -15,14 +15,11 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import torch
-
-from estimator import __version__
-from estimator.gpus import CATALOG_VERSION
+from estimator import CATALOG_VERSION, __version__, torch_version
 
 
 def cache_key(normalized_request: dict[str, Any]) -> str:
-    doc = {"request": normalized_request, "batchfit": __version__, "torch": torch.__version__,
+    doc = {"request": normalized_request, "batchfit": __version__, "torch": torch_version(),
            "catalog": CATALOG_VERSION}
     return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 

@@ -1,18 +1,36 @@
-"""Every error as application/problem+json (RFC 9457), naming the field, the value and what was expected."""
+"""Every error as application/problem+json (RFC 9457), naming the field, the value and what was expected.
+
+One table maps each of batchfit's error types to its HTTP status, problem
+type and title; one handler renders them all (``on_batchfit_error``). The
+most specific type in the table wins, as in httpx's exception mapping.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 from fastapi import Request
-from pydantic import BaseModel
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
-from estimator.errors import SpecError
-from estimator.spec import _expected, _path
+from estimator import describe_validation_error
+from estimator.errors import (
+    BatchfitError, Busy, LimitExceeded, NoGPUError, SimulationError, SpecError, Unauthorized,
+)
 
 PROBLEM = "application/problem+json"
+
+# error type -> (status, problem type, title)
+PROBLEMS: dict[type[BatchfitError], tuple[int, str, str]] = {
+    BatchfitError: (500, "internal", "batchfit failed"),
+    SpecError: (422, "invalid-request", "The request has a field batchfit cannot use"),
+    SimulationError: (422, "simulation", "The model could not be simulated"),
+    NoGPUError: (503, "no-gpu", "No CUDA GPU on this node"),
+    Unauthorized: (401, "unauthorized", "An API key is required"),
+    Busy: (503, "busy", "Every worker is busy"),
+    LimitExceeded: (422, "limit", "The estimate ran past a limit of the service"),
+}
 
 
 class Problem(BaseModel):
@@ -28,43 +46,58 @@ class Problem(BaseModel):
     where: str | None = None
 
 
-def problem_responses(*codes: int) -> dict:
+def problem_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
     text = {401: "missing or wrong API key", 422: "a field batchfit cannot use, a model that cannot be simulated, "
             "or an estimate past the service's limits", 503: "every worker busy and the queue full (Retry-After)",
             500: "a batchfit defect (never for bad input)"}
     return {c: {"model": Problem, "description": text[c], "content": {PROBLEM: {}}} for c in codes}
 
 
-def problem(status: int, kind: str, title: str, detail: str, headers: dict | None = None, **extra: Any) -> JSONResponse:
+def problem(status: int, kind: str, title: str, detail: str, headers: dict[str, str] | None = None,
+            **extra: Any) -> JSONResponse:
     body = {"type": f"https://batchfit.dev/problems/{kind}", "title": title, "status": status, "detail": detail, **extra}
     return JSONResponse(body, status_code=status, media_type=PROBLEM, headers=headers)
 
 
-def spec_problem(exc: SpecError) -> JSONResponse:
-    return problem(422, "invalid-request", "The request has a field batchfit cannot use", str(exc),
-                   field=exc.field, value=_safe(exc.value), expected=exc.expected)
+def _mapped(exc: BatchfitError) -> tuple[int, str, str]:
+    found: type[BatchfitError] = BatchfitError
+    for kind in PROBLEMS:
+        if isinstance(exc, kind) and issubclass(kind, found):
+            found = kind
+    return PROBLEMS[found]
 
 
-async def on_spec_error(request: Request, exc: SpecError) -> JSONResponse:
-    return spec_problem(exc)
+def error_problem(exc: BatchfitError, headers: dict[str, str] | None = None) -> JSONResponse:
+    """The problem+json response for one of batchfit's errors."""
+    status, kind, title = _mapped(exc)
+    extra: dict[str, Any] = {}
+    if isinstance(exc, SpecError):
+        extra = {"field": exc.field, "value": _safe(exc.value), "expected": exc.expected}
+    elif isinstance(exc, SimulationError):
+        extra = {"where": exc.where}
+    elif isinstance(exc, LimitExceeded):
+        kind = f"{exc.limit}-limit"
+    return problem(status, kind, title, str(exc), headers, **extra)
 
 
-async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    err = exc.errors()[0]
-    loc = tuple(err["loc"])[1:] if err["loc"] and err["loc"][0] == "body" else tuple(err["loc"])
-    field = _path(loc) or "(body)"
-    value = None if err["type"] == "missing" else err.get("input")
-    expected = _expected(err)
-    return problem(422, "invalid-request", "The request has a field batchfit cannot use",
-                   f"{field}: got {_safe(value)!r}; expected {expected}", field=field, value=_safe(value),
-                   expected=expected)
+async def on_batchfit_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, BatchfitError)
+    return error_problem(exc)
+
+
+async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    err = describe_validation_error(exc.errors()[0])
+    value = _safe(err.value)
+    status, kind, title = PROBLEMS[SpecError]
+    return problem(status, kind, title, f"{err.field}: got {value!r}; expected {err.expected}", field=err.field,
+                   value=value, expected=err.expected)
 
 
 def _safe(value: Any) -> Any:
     """The offending value, small enough to echo back."""
-    text = repr(value)
     if isinstance(value, (int, float, bool)) or value is None:
         return value
     if isinstance(value, str):
         return value[:200]
-    return text[:200]
+    return repr(value)[:200]

@@ -15,15 +15,15 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 
 from app import logs
-from app.auth import Unauthorized, check_key
+from app.auth import check_key
 from app.cache import RedisCache, SingleFlight, SQLiteCache
-from app.errors import on_spec_error, on_validation_error, problem
+from app.errors import error_problem, on_batchfit_error, on_validation_error
 from app.metrics import Metrics
 from app.pool import Pool
 from app.routes import router
 from app.settings import Settings, get_settings
 from estimator import __version__
-from estimator.errors import SpecError
+from estimator.errors import BatchfitError, Unauthorized
 
 OPEN = {"/healthz", "/readyz"}
 ROUTES = {"/estimate", "/gpus", "/models", "/healthz", "/readyz", "/metrics", "/docs", "/openapi.json"}
@@ -58,7 +58,7 @@ def create_app(settings: Settings | None = None, *, start_workers: bool = True) 
     app.state.gpu_lock = asyncio.Lock()  # one validation at a time on this node's GPU
     app.state.cache = None
     app.state.pool = None
-    app.add_exception_handler(SpecError, on_spec_error)
+    app.add_exception_handler(BatchfitError, on_batchfit_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
 
     @app.middleware("http")
@@ -70,8 +70,7 @@ def create_app(settings: Settings | None = None, *, start_workers: bool = True) 
             try:
                 check_key(request, settings)
             except Unauthorized as exc:
-                response = problem(401, "unauthorized", "An API key is required", str(exc),
-                                   headers={"WWW-Authenticate": "Bearer"})
+                response = error_problem(exc, headers={"WWW-Authenticate": "Bearer"})
                 return _finish(app, response, route, rid, t0)
         response = await call_next(request)
         return _finish(app, response, route, rid, t0)

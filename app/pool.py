@@ -16,21 +16,10 @@ import time
 from typing import Any
 
 from app.settings import Settings
-from app.worker import serve
+from app.worker import Reply, serve
+from estimator.errors import Busy, LimitExceeded
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-class Busy(Exception):
-    """Every worker is busy and the queue is full."""
-
-
-class LimitExceeded(Exception):
-    """A worker ran past a limit and was replaced; ``limit`` is 'time' or 'memory'."""
-
-    def __init__(self, limit: str, detail: str) -> None:
-        self.limit = limit
-        super().__init__(detail)
 
 
 def _rss(pid: int) -> int:
@@ -53,13 +42,13 @@ class _Worker:
             raise RuntimeError("worker did not start")
         self.conn.recv()
 
-    def call(self, job_id: int, body: Any, timeout: float, memory: int) -> tuple:
+    def call(self, job_id: int, body: Any, timeout: float, memory: int) -> Reply:
         self.conn.send((job_id, body))
         deadline = time.monotonic() + timeout
         while True:
             if self.conn.poll(0.1):
-                reply = self.conn.recv()
-                return reply[1], reply[2]
+                reply: Reply = self.conn.recv()
+                return reply
             if not self.process.is_alive():
                 raise LimitExceeded("crash", "the estimate's worker died")
             if time.monotonic() > deadline:
@@ -113,8 +102,8 @@ class Pool:
     def busy(self) -> int:
         return len(self._workers) - self._idle.qsize()
 
-    async def run(self, body: Any) -> tuple[str, Any]:
-        """(kind, payload) from a worker; ``Busy`` or ``LimitExceeded`` otherwise."""
+    async def run(self, body: Any) -> Reply:
+        """A worker's reply; ``Busy`` or ``LimitExceeded`` otherwise."""
         if self._idle.empty() and self._waiting >= self.settings.queue_size:
             raise Busy()
         self._waiting += 1

@@ -10,11 +10,10 @@ from fastapi import APIRouter, Body, Request
 from fastapi.responses import JSONResponse, Response
 
 from app.cache import cache_key
-from app.errors import problem, problem_responses, spec_problem
-from app.pool import Busy, LimitExceeded
-from estimator.errors import SpecError
-from estimator.gpus import CATALOG, CATALOG_VERSION
-from estimator.spec import EstimateRequest, EstimateResponse, parse_request
+from app.errors import error_problem, problem, problem_responses
+from app.worker import Reply, ReplyKind
+from estimator import EstimateRequest, EstimateResponse, catalog, parse_request
+from estimator.errors import BatchfitError, Busy, LimitExceeded
 
 router = APIRouter()
 
@@ -37,10 +36,10 @@ async def post_estimate(
                                                                           "value": EXAMPLE}})],
 ) -> Any:
     app = request.app
-    try:
-        normalized = parse_request(body.model_dump(mode="json"), allow_local_code=False)
-    except SpecError as exc:
-        return spec_problem(exc)
+    # FastAPI validated the body against the schema; parse_request adds the rules it cannot express
+    # (no local code over HTTP, a transformers model names a preset or a config). BatchfitErrors raised
+    # here are rendered by app.errors.on_batchfit_error.
+    normalized = parse_request(body.model_dump(mode="json"), allow_local_code=False)
     data = normalized.model_dump(mode="json")
     if normalized.validate_step:
         return await _validate(app, data)
@@ -50,98 +49,80 @@ async def post_estimate(
         app.state.metrics.cache_hits.inc()
         return JSONResponse(hit, headers={"X-Batchfit-Cache": "hit"})
 
-    async def compute():
+    async def compute() -> Reply:
         app.state.metrics.cache_misses.inc()
         return await _in_pool(app, data)
 
     try:
-        kind, payload = await app.state.flights.run(key, compute)
+        reply = await app.state.flights.run(key, compute)
     except Refused as refused:
         return refused.response()
-    if kind == "ok":
+    if reply.kind == ReplyKind.OK:
         if app.state.cache:
-            app.state.cache.set(key, payload)
-        return JSONResponse(payload, headers={"X-Batchfit-Cache": "miss"})
-    return _reply_problem(kind, payload)
+            app.state.cache.set(key, reply.payload)
+        return JSONResponse(reply.payload, headers={"X-Batchfit-Cache": "miss"})
+    return _reply_problem(reply)
 
 
-async def _validate(app, data: dict) -> Any:
+async def _validate(app: Any, data: dict[str, Any]) -> Any:
     """One validation at a time on this node's GPU; never cached (it is a measurement)."""
     async with app.state.gpu_lock:
         try:
-            kind, payload = await _in_pool(app, data)
+            reply = await _in_pool(app, data)
         except Refused as refused:
             return refused.response()
-    if kind == "ok":
-        return JSONResponse(payload)
-    return _reply_problem(kind, payload)
+    if reply.kind == ReplyKind.OK:
+        return JSONResponse(reply.payload)
+    return _reply_problem(reply)
 
 
 class Refused(Exception):
     """The pool would not or could not finish the job; ``response()`` says why, a new one per caller
     (identical concurrent requests share the exception)."""
 
-    def __init__(self, *problem_args: Any, **problem_kwargs: Any) -> None:
-        self.args_, self.kwargs_ = problem_args, problem_kwargs
+    def __init__(self, error: BatchfitError, headers: dict[str, str] | None = None) -> None:
+        super().__init__(str(error))
+        self.error, self.headers = error, headers
 
     def response(self) -> JSONResponse:
-        return problem(*self.args_, **self.kwargs_)
+        return error_problem(self.error, self.headers)
 
 
-async def _in_pool(app, data: dict) -> tuple[str, Any]:
+async def _in_pool(app: Any, data: dict[str, Any]) -> Reply:
     """Run ``data`` in a worker, with the metrics; ``Refused`` when busy or past a limit."""
     metrics, t0 = app.state.metrics, time.perf_counter()
     metrics.workers_busy.inc()
     try:
-        return await app.state.pool.run(data)
+        reply: Reply = await app.state.pool.run(data)
+        return reply
     except Busy:
         s = app.state.settings
-        raise Refused(503, "busy", "Every worker is busy", f"{s.workers} workers busy and {s.queue_size} "
-                      "requests waiting; retry later", headers={"Retry-After": str(s.retry_after_s)})
+        raise Refused(Busy(f"{s.workers} workers busy and {s.queue_size} requests waiting; retry later"),
+                      headers={"Retry-After": str(s.retry_after_s)}) from None
     except LimitExceeded as exc:
         metrics.worker_restarts.inc()
-        raise Refused(422, f"{exc.limit}-limit", "The estimate ran past a limit of the service", str(exc))
+        raise Refused(exc) from None
     finally:
         metrics.workers_busy.dec()
         metrics.estimate.observe(time.perf_counter() - t0)
 
 
-def _reply_problem(kind: str, payload: Any) -> JSONResponse:
-    if kind == "nogpu":
-        return problem(503, "no-gpu", "No CUDA GPU on this node", payload)
-    if kind == "spec":
-        field, value, expected = payload
-        return spec_problem(SpecError(field, value, expected))
-    if kind == "simulation":
-        message, where = payload
-        return problem(422, "simulation", "The model could not be simulated", message, where=where)
-    if kind == "memory":
-        return problem(422, "memory-limit", "The estimate ran past a limit of the service", payload)
-    return problem(500, "internal", "batchfit failed", payload)
+def _reply_problem(reply: Reply) -> JSONResponse:
+    if reply.kind == ReplyKind.ERROR:
+        return error_problem(reply.error())
+    return problem(500, "internal", "batchfit failed", str(reply.payload))
 
 
 @router.get("/gpus", summary="The GPU catalog", responses=problem_responses(401))
-def get_gpus() -> dict:
-    return {"catalog": CATALOG_VERSION, "gpus": [
-        {"name": g.name, "memory_bytes": g.memory_bytes, "compute_capability": g.compute_capability,
-         "context_bytes": g.context_bytes, "peak_tflops_bf16": g.peak_tflops_bf16,
-         "peak_tflops_fp32": g.peak_tflops_fp32, "description": g.description} for g in CATALOG.values()]}
+def get_gpus() -> dict[str, Any]:
+    return catalog()
 
 
 @lru_cache(maxsize=1)
-def _models() -> dict:
-    import timm
-    import torchvision.models as tvm
+def _models() -> dict[str, Any]:
+    from estimator import model_sources  # imports torch, timm and torchvision: only when asked
 
-    from estimator.models.transformers_models import _AUTO, presets
-
-    return {
-        "torchvision": {f: tvm.list_models(module=m) for f, m in (
-            ("classification", tvm), ("segmentation", tvm.segmentation), ("video", tvm.video),
-            ("detection", tvm.detection))},
-        "timm": {"names": timm.list_models()},
-        "transformers": {"presets": sorted(presets()), "tasks": list(_AUTO), "attn_implementation": ["eager", "sdpa"]},
-    }
+    return model_sources()
 
 
 @router.get("/models", summary="What each model source offers", responses=problem_responses(401))

@@ -1,10 +1,16 @@
 """The worker process side of the pool: one estimate at a time, never crashing the parent.
 
 Each worker imports torch once (warm) and answers ``(job_id, request_json)``
-messages with ``(job_id, kind, payload)``: ``ok`` with the API.md response,
-``spec`` with (field, value, expected), ``simulation`` with (message, where),
-``error`` with a message. Requests come as JSON data only: custom factories
-are refused by ``parse_request`` (no local code over the network).
+messages with a ``Reply``:
+
+- ``OK``: the response's JSON (docs/API.md), with ``validation`` when the request asked for one;
+- ``ERROR``: one of batchfit's errors as its class name and fields (``BatchfitError.fields``), rebuilt
+  by the parent with ``Reply.error()``: a ``SpecError``, ``SimulationError``, ``NoGPUError``, or
+  ``LimitExceeded('memory')`` when the worker ran out of memory;
+- ``INTERNAL``: any other exception's type and message (a batchfit defect: 500).
+
+Requests come as JSON data only: custom factories are refused by
+``parse_request`` (no local code over the network).
 """
 
 from __future__ import annotations
@@ -12,17 +18,47 @@ from __future__ import annotations
 import json
 import os
 import signal
+from dataclasses import dataclass
+from enum import StrEnum
 from multiprocessing.connection import Connection
 from typing import Any
+
+from estimator import errors
+
+
+class ReplyKind(StrEnum):
+    OK = "ok"
+    ERROR = "error"
+    INTERNAL = "internal"
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What a worker answers: ``payload`` is the response (OK), the error's fields (ERROR, with ``error_type``)
+    or a message (INTERNAL)."""
+
+    job_id: int
+    kind: ReplyKind
+    payload: Any
+    error_type: str = ""
+
+    @classmethod
+    def failed(cls, job_id: int, exc: errors.BatchfitError) -> Reply:
+        fields = {k: _jsonable(v) for k, v in exc.fields().items()}
+        return cls(job_id, ReplyKind.ERROR, fields, type(exc).__name__)
+
+    def error(self) -> errors.BatchfitError:
+        """The error an ERROR reply carries, rebuilt as its own type."""
+        cls = getattr(errors, self.error_type, None)
+        if not (isinstance(cls, type) and issubclass(cls, errors.BatchfitError)):
+            return errors.BatchfitError(f"{self.error_type}: {self.payload}")
+        return cls.from_fields(self.payload)
 
 
 def serve(conn: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when workers stop
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    from estimator.errors import SimulationError, SpecError
-    from estimator.estimate import estimate
-    from estimator.spec import parse_request
-    from estimator.validate import NoGPUError
+    from estimator import estimate, parse_request, to_json, validate_on_gpu, validation_json
 
     conn.send(("ready", os.getpid()))
     while True:
@@ -36,24 +72,17 @@ def serve(conn: Connection) -> None:
         try:
             request = parse_request(body, allow_local_code=False)
             if request.validate_step:
-                from estimator.validate import as_json, validate
-
-                response, validation = validate(request)
-                reply: tuple[Any, ...] = (job_id, "ok", {**json.loads(response.model_dump_json()),
-                                                         "validation": as_json(validation)})
+                response, validation = validate_on_gpu(request)
+                reply = Reply(job_id, ReplyKind.OK, {**to_json(response), "validation": validation_json(validation)})
             else:
-                response = estimate(request)
-                reply = (job_id, "ok", json.loads(response.model_dump_json()))
-        except SpecError as exc:
-            reply = (job_id, "spec", (exc.field, _jsonable(exc.value), exc.expected))
-        except NoGPUError as exc:
-            reply = (job_id, "nogpu", str(exc))
-        except SimulationError as exc:
-            reply = (job_id, "simulation", (str(exc), exc.where))
+                reply = Reply(job_id, ReplyKind.OK, to_json(estimate(request)))
+        except errors.BatchfitError as exc:
+            reply = Reply.failed(job_id, exc)
         except MemoryError:
-            reply = (job_id, "memory", "the estimate ran out of memory in the worker")
+            reply = Reply.failed(job_id, errors.LimitExceeded("memory", "the estimate ran out of memory in the "
+                                                                       "worker"))
         except Exception as exc:  # noqa: BLE001 - reported to the caller, the worker lives on
-            reply = (job_id, "error", f"{type(exc).__name__}: {exc}")
+            reply = Reply(job_id, ReplyKind.INTERNAL, f"{type(exc).__name__}: {exc}")
         conn.send(reply)
 
 

@@ -26,7 +26,7 @@ LLAMA_1B = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 563
 def _case(name, model, batch, precision="fp32", optimizer="adamw", checkpointing=False, training=None, **inp):
     return name, batch, {"model": model, "input": inp, "training": {
         "precision": precision, "optimizer": {"name": optimizer}, "gradient_checkpointing": checkpointing,
-        **(training or {})}, "planner": {"confirm": False, "curve_points": 0}}
+        **(training or {})}, "planner": {"confirm": "none", "curve_points": 0}}
 
 
 TV = lambda n: {"source": "torchvision", "name": n}  # noqa: E731
@@ -70,7 +70,7 @@ GIB = 2**30
 
 
 def _gpu_suite(out: str | None, budget_s: float) -> int:
-    from estimator.spec import parse_request
+    from estimator.request.spec import parse_request
     from estimator.validate import CudaSubprocess, cuda_available, local_card, validate
 
     if not cuda_available():
@@ -102,7 +102,7 @@ def _gpu_suite(out: str | None, budget_s: float) -> int:
             lines.append(f"| {name} | (skipped: time budget {budget_s:.0f} s spent) | |")
             continue
         request = parse_request({**req, "gpus": [card if isinstance(card, str) else card.model_dump()]})
-        from estimator.estimate import estimate
+        from estimator.pipeline import estimate
 
         predicted = estimate(request).results[0].max_batch_size or 1
         real = _bisect_real_max(source, request.model_dump(mode="json"), predicted)
@@ -153,10 +153,10 @@ def _cpu_selfcheck() -> int:
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from test_cpu_truth import BATCH, _real_peak
-    from zoo import ZOO
+    from estimator.testing.zoo import ZOO
 
-    from estimator.recipe import Recipe
-    from estimator.report import estimate_memory
+    from estimator.request.recipe import Recipe
+    from estimator.pipeline import estimate_memory
 
     worst = 0.0
     for name in ("mlp", "conv"):

@@ -26,7 +26,7 @@ N = 12
 
 def _request(i: int) -> dict:
     return {"model": {"source": "torchvision", "name": "resnet18", "kwargs": {"num_classes": 10 + i}},
-            "gpus": ["T4-16GB"], "planner": {"confirm": False, "curve_points": 0}}
+            "gpus": ["T4-16GB"], "planner": {"confirm": "none", "curve_points": 0}}
 
 
 def _pct(xs: list[float], p: float) -> float:

@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 import torchvision
 
-from estimator.estimate import estimate
+from estimator.pipeline import estimate
 from estimator.gpus import CATALOG
-from estimator.spec import parse_request
+from estimator.request.spec import parse_request
 
 
 def cpu_step_seconds(batch: int = 32, repeats: int = 3) -> float:
@@ -48,16 +48,16 @@ def cpu_step_seconds(batch: int = 32, repeats: int = 3) -> float:
 
 
 def main() -> None:
-    import estimator.simulator as simulator
+    import estimator.plan.replays as replays_module
 
     replays = [0]
-    counted = simulator.replay_sized
+    counted = replays_module.replay_sized
 
     def counting(*args, **kwargs):
         replays[0] += 1
         return counted(*args, **kwargs)
 
-    simulator.replay_sized = counting
+    replays_module.replay_sized = counting
     request = parse_request({"model": {"source": "torchvision", "name": "resnet50"}})
     estimate(parse_request({"model": {"source": "torchvision", "name": "resnet18"}, "gpus": ["T4-16GB"]}),
              confirm="none")  # warm the process (imports, kernel registration), as a service worker is
@@ -81,7 +81,7 @@ def main() -> None:
             print(f"  again in the same process (the fake-tensor cache warm): {again:.2f} s, ratio {again / step:.2f}")
         if mode == "top":
             for r in response.results[:4]:
-                print(f"  {r.gpu:<24} max {r.max_batch_size}  recommended {r.recommended_batch_size}  ({r.search})")
+                print(f"  {r.gpu:<24} max {r.max_batch_size}  recommended {r.recommended_batch_size}  ({r.search.method})")
     same = all(a == answers["top"] for a in answers.values())
     print(f"every mode gives the same max batch on every card: {same}")
 

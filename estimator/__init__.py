@@ -4,30 +4,66 @@
 >>> r = estimate_memory(make_model, make_batch, loss_fn, 32, recipe=Recipe(precision="amp-bf16"), gpu="H100-80GB")
 >>> r.device_peak_bytes, r.fits, r.breakdown.activations
 
-Nothing is imported at import time beyond the names below (torch loads lazily).
+The public facade: the service (``app/``) and the CLI import only what is
+named here. Nothing is imported at import time (torch loads lazily, when a
+name that needs it is first used).
+
+The layers, top to bottom (docs/DESIGN.md):
+
+    pipeline      one request end to end
+    request/      the request schema, its limits, the recipe
+    models/       builders, presets, build_on_meta
+    simulate/     the virtual GPU, the engine, the recorder, the training loop
+    trace         the event trace: the contract, no torch
+    replay/       the caching allocator's replay, reports
+    plan/         affine traces, searches, strategy, advice, results
 """
 
 from __future__ import annotations
 
+from importlib import import_module
+from typing import Any
+
 __version__ = "0.2.0"
-__all__ = ["estimate_memory", "Recipe", "MemoryReport", "Breakdown", "AllocatorConfig", "get_gpu", "CATALOG"]
+
+# name -> the module that defines it (module:name where the names differ)
+_PUBLIC = {
+    "estimate": "estimator.pipeline",
+    "estimate_memory": "estimator.pipeline",
+    "estimate_from_profile": "estimator.pipeline",
+    "make_profile": "estimator.pipeline",
+    "parse_request": "estimator.request.spec",
+    "EstimateRequest": "estimator.request.spec",
+    "describe_validation_error": "estimator.request.spec",
+    "EstimateResponse": "estimator.plan.results",
+    "to_json": "estimator.plan.results",
+    "Recipe": "estimator.request.recipe",
+    "MemoryReport": "estimator.replay.report",
+    "Breakdown": "estimator.replay.report",
+    "AllocatorConfig": "estimator.replay.allocator",
+    "PortableProfile": "estimator.portable",
+    "GPU": "estimator.gpus",
+    "get_gpu": "estimator.gpus",
+    "CATALOG": "estimator.gpus",
+    "CATALOG_VERSION": "estimator.gpus",
+    "catalog": "estimator.gpus",
+    "model_sources": "estimator.models",
+    "validate_on_gpu": "estimator.validate:validate",
+    "validation_json": "estimator.validate:as_json",
+}
+__all__ = sorted(_PUBLIC) + ["__version__", "torch_version"]
 
 
-def __getattr__(name: str):
-    if name in ("estimate_memory", "MemoryReport", "Breakdown"):
-        from estimator import report
+def torch_version() -> str:
+    """The installed torch's version (``2.14.1``), without importing torch."""
+    from importlib.metadata import version
 
-        return getattr(report, name)
-    if name == "Recipe":
-        from estimator.recipe import Recipe
+    return version("torch").split("+")[0]
 
-        return Recipe
-    if name == "AllocatorConfig":
-        from estimator.allocator import AllocatorConfig
 
-        return AllocatorConfig
-    if name in ("get_gpu", "CATALOG"):
-        from estimator import gpus
-
-        return getattr(gpus, name)
-    raise AttributeError(name)
+def __getattr__(name: str) -> Any:
+    where = _PUBLIC.get(name)
+    if where is None:
+        raise AttributeError(f"module 'estimator' has no attribute {name!r}")
+    module, _, attr = where.partition(":")
+    return getattr(import_module(module), attr or name)

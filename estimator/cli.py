@@ -1,6 +1,6 @@
 """The ``batchfit`` command line.
 
-    batchfit estimate --spec request.json --json     # the API.md response
+    batchfit estimate --spec request.json --json     # the response of POST /estimate (docs/API.md)
     batchfit estimate --spec - < request.json        # a table
     batchfit estimate --spec req.json --model mypkg.nets:make   # a local nn.Module factory
     batchfit profile --spec req.json -o profile.json    # the affine trace, portable
@@ -13,8 +13,7 @@ import argparse
 import json
 import sys
 
-from estimator.errors import BatchfitError, SpecError
-from estimator.validate import NoGPUError
+from estimator.errors import BatchfitError, NoGPUError, SpecError
 
 GIB = 2**30
 
@@ -48,20 +47,20 @@ def _request_from_args(args: argparse.Namespace):
         data = {**data, "model": {"source": "custom", "factory": args.model}}
     from transformers.utils import logging as hf_logging
 
-    from estimator.spec import parse_request
+    from estimator.request.spec import parse_request
 
     hf_logging.set_verbosity_error()  # its info lines would mix into our output
     return parse_request(data, allow_local_code=args.model is not None)
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    from estimator.estimate import estimate, estimate_from_profile
+    from estimator.pipeline import estimate, estimate_from_profile
 
     if (args.spec is None) == (args.profile is None):
         raise SpecError("--spec/--profile", None, "exactly one of --spec FILE or --profile FILE")
     progress = _progress(not args.json)
     if args.profile is not None:
-        from estimator.profile import PortableProfile
+        from estimator.portable import PortableProfile
 
         profile = PortableProfile.from_json(_read_spec(args.profile, "--profile"))
         response = estimate_from_profile(profile, gpus=args.gpus, batch_size=args.batch_size)
@@ -74,14 +73,16 @@ def _estimate(args: argparse.Namespace) -> int:
     if args.plot is not None:
         _plot(args, response)
     if args.json:
-        print(response.model_dump_json(indent=2))
+        from estimator.plan.results import to_json_text
+
+        print(to_json_text(response, indent=2))
         return 0
     _table(response)
     return 0
 
 
 def _profile(args: argparse.Namespace) -> int:
-    from estimator.estimate import make_profile
+    from estimator.pipeline import make_profile
 
     progress = _progress(True)
     profile = make_profile(_request_from_args(args), progress=progress)
@@ -99,7 +100,9 @@ def _validate(args: argparse.Namespace) -> int:
     request = _request_from_args(args)
     response, v = validate(request, batch_size=args.batch_size)
     if args.json:
-        print(json.dumps({**json.loads(response.model_dump_json()), "validation": as_json(v)}, indent=2))
+        from estimator.plan.results import to_json
+
+        print(json.dumps({**to_json(response), "validation": as_json(v)}, indent=2))
         return 0 if not v.measured.oom and v.measured.error is None else 5
     m = v.measured
     print(f"{m.gpu} (driver {m.driver}, torch {m.torch}, CUDA {m.cuda}), batch {m.batch_size}, "
@@ -118,15 +121,15 @@ def _validate(args: argparse.Namespace) -> int:
 
 def _plot(args: argparse.Namespace, response) -> None:
     """The first card's step at its memory batch, simulated (or synthesized from the profile) again."""
-    from estimator.estimate import cards_of, recipe_of
+    from estimator.request.adapt import cards_of, recipe_of
     from estimator.gpus import get_gpu
     from estimator.plot import draw_timeline
 
     first = response.results[0]
     batch = first.memory.batch_size
     if args.profile is not None:
-        from estimator.profile import PortableProfile
-        from estimator.simulator import ProfileReplayer
+        from estimator.portable import PortableProfile
+        from estimator.sources import ProfileReplayer
 
         doc = PortableProfile.from_json(_read_spec(args.profile, "--profile"))
         replayer = ProfileReplayer(doc, 0)
@@ -136,14 +139,15 @@ def _plot(args: argparse.Namespace, response) -> None:
         events, phases = step.events_at(batch, card.cublas_workspace_bytes), step.phases
     else:
         from estimator.models import build
-        from estimator.trace import record_training
+        from estimator.replay.allocator import trace_events
+        from estimator.simulate.record import record_training
 
         request = _request_from_args(args)
         card = cards_of(request)[0]
         built = build(request)
         trace = record_training(built.factory, built.batch_factory, built.loss_fn, batch, recipe_of(request), card,
                                 worst_case=built.worst_case)
-        events, phases = trace.allocator_events(), [a.phase for a in trace.allocations]
+        events, phases = trace_events(trace), [a.phase for a in trace.allocations]
     draw_timeline(events, phases, f"batch {batch} on {first.gpu}", args.plot)
 
 
@@ -194,7 +198,7 @@ def _table(r) -> None:
     for line in r.assumptions:
         print(f"  assumed: {line}")
     for line in r.warnings:
-        print(f"  warning: {line}")
+        print(f"  warning: {line.message}")
 
 
 def _gpus(args: argparse.Namespace) -> int:
@@ -209,7 +213,7 @@ def _gpus(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    uvicorn.run("app.main:app", host=args.host, port=args.port)
+    uvicorn.run("app.main:create_app", factory=True, host=args.host, port=args.port)
     return 0
 
 
@@ -217,12 +221,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="batchfit", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("gpus", help="list the GPU catalog").set_defaults(func=_gpus)
-    est = sub.add_parser("estimate", help="max batch and memory per GPU for a request (API.md)")
+    est = sub.add_parser("estimate", help="max batch and memory per GPU for a request (docs/API.md)")
     est.add_argument("--spec", help="request JSON file, or - for stdin")
     est.add_argument("--profile", help="a profile from `batchfit profile` (answers without the model's code)")
     est.add_argument("--gpus", nargs="+", help="with --profile: catalog names (default: the whole catalog)")
     est.add_argument("--batch-size", type=int, help="with --profile: also report memory at this batch")
-    est.add_argument("--json", action="store_true", help="print the API.md response as JSON")
+    est.add_argument("--json", action="store_true", help="print the response as JSON (docs/API.md)")
     est.add_argument("--plot", metavar="FILE.png", help="draw the first card's step at its max batch")
     est.add_argument("--model", metavar="PACKAGE.MODULE:FACTORY",
                      help="a local nn.Module factory (imported here; replaces the spec's model)")

@@ -6,17 +6,46 @@
     ├── SimulationError        the model could not be simulated (carries ``where``)
     │   ├── DataDependentError the model reads tensor values (``.item()``, ...)
     │   └── BatchTooSmallError batch norm needs more than one value per channel
-    └── ReplayError            an event trace is malformed
+    ├── ReplayError            an event trace is malformed
+    ├── NoGPUError             a validation needs a CUDA GPU and this machine has none
+    └── ServiceError           the HTTP service would not or could not answer
+        ├── Unauthorized       no API key, or a wrong one
+        ├── Busy               every worker busy and the queue full
+        └── LimitExceeded      an estimate ran past a limit of the service (carries ``limit``)
 
-Foreign exceptions are translated at one seam (``estimator.trace``) with
-``raise ... from exc``; callers never match message text.
+Foreign exceptions are translated at one seam (``estimator.simulate.record``)
+with ``raise ... from exc``; callers never match message text. Each error
+knows its fields (``fields()``), so it crosses a process boundary as data
+and is rebuilt there (``from_fields``), and the service maps each type to
+one HTTP status (``app/errors.py``).
 """
 
 from __future__ import annotations
 
 
+from typing import Any
+
+
 class BatchfitError(Exception):
     """Base of every error batchfit raises on purpose."""
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(message)
+
+    def fields(self) -> dict[str, Any]:
+        """The arguments that rebuild this error (``type(self)(**fields)``)."""
+        return {"message": str(self)}
+
+    @classmethod
+    def from_fields(cls, fields: dict[str, Any]) -> BatchfitError:
+        return cls(**fields)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rebuild, (type(self), self.fields())
+
+
+def _rebuild(cls: type[BatchfitError], fields: dict[str, Any]) -> BatchfitError:
+    return cls.from_fields(fields)
 
 
 class SpecError(BatchfitError, ValueError):
@@ -32,6 +61,9 @@ class SpecError(BatchfitError, ValueError):
         self.expected = expected
         super().__init__(f"{field}: got {value!r}; expected {expected}")
 
+    def fields(self) -> dict[str, Any]:
+        return {"field": self.field, "value": self.value, "expected": self.expected}
+
 
 class UnknownGPUError(SpecError):
     """A GPU name that is not in the catalog; ``suggestions`` holds close matches."""
@@ -39,7 +71,10 @@ class UnknownGPUError(SpecError):
     def __init__(self, field: str, value: object, suggestions: list[str]) -> None:
         self.suggestions = suggestions
         hint = f" (did you mean {', '.join(suggestions)}?)" if suggestions else ""
-        super().__init__(field, value, f"a catalog GPU name{hint}; see `batchfit gpus`")
+        super().__init__(field, value, f"a catalog GPU name{hint}; see `batchfit gpus` or GET /gpus")
+
+    def fields(self) -> dict[str, Any]:
+        return {"field": self.field, "value": self.value, "suggestions": self.suggestions}
 
 
 class SimulationError(BatchfitError, RuntimeError):
@@ -49,6 +84,9 @@ class SimulationError(BatchfitError, RuntimeError):
         self.message = message
         self.where = where
         super().__init__(f"{message} (in {where})")
+
+    def fields(self) -> dict[str, Any]:
+        return {"message": self.message, "where": self.where}
 
 
 class DataDependentError(SimulationError):
@@ -62,3 +100,39 @@ class BatchTooSmallError(SimulationError):
 
 class ReplayError(BatchfitError, ValueError):
     """An event trace given to the allocator replay is inconsistent."""
+
+
+class NoGPUError(BatchfitError, RuntimeError):
+    """No CUDA GPU on this machine: a validation cannot run."""
+
+    def __init__(self, message: str = "no CUDA GPU is available on this machine: validation needs one") -> None:
+        super().__init__(message)
+
+
+class ServiceError(BatchfitError):
+    """The HTTP service would not or could not answer a request."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+
+
+class Unauthorized(ServiceError):
+    """No API key, or one the service does not know."""
+
+
+class Busy(ServiceError):
+    """Every worker is busy and the queue is full."""
+
+    def __init__(self, message: str = "every worker is busy and the queue is full") -> None:
+        super().__init__(message)
+
+
+class LimitExceeded(ServiceError):
+    """A worker ran past a limit and was replaced; ``limit`` is 'time', 'memory' or 'crash'."""
+
+    def __init__(self, limit: str, message: str) -> None:
+        self.limit = limit
+        super().__init__(message)
+
+    def fields(self) -> dict[str, Any]:
+        return {"limit": self.limit, "message": str(self)}

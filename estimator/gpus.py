@@ -20,7 +20,7 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass
 
-from estimator.errors import UnknownGPUError
+from estimator.errors import SpecError, UnknownGPUError
 
 MIB = 1024 * 1024
 WORKSPACE_SM90 = 4096 * 8 * 1024  # CublasHandlePool.cpp, sm90+: 32 MiB
@@ -111,12 +111,23 @@ def get_gpu(name: str, field: str = "gpus") -> GPU:
     raise UnknownGPUError(field, name, [lowered[c] for c in close])
 
 
-def custom_gpu(name: str, memory_bytes: int, compute_capability: str = "8.0", context_bytes: int = 450 * MIB) -> GPU:
+# The CUDA context of a card the catalog does not know: what most catalog rows have.
+DEFAULT_CONTEXT_BYTES = 450 * MIB
+
+
+def custom_gpu(name: str, memory_bytes: int, compute_capability: str = "8.0",
+               context_bytes: int = DEFAULT_CONTEXT_BYTES) -> GPU:
     """A card that is not in the catalog, described by the caller."""
     try:
         major, minor = (int(x) for x in compute_capability.split("."))
     except ValueError as exc:
-        from estimator.errors import SpecError
-
         raise SpecError("gpus[].compute_capability", compute_capability, "'MAJOR.MINOR', e.g. '8.0'") from exc
     return GPU(name, int(memory_bytes), (major, minor), int(context_bytes), 0.0, 0.0, "custom")
+
+
+def catalog() -> dict[str, object]:
+    """The catalog as JSON data: its version and every card (``GET /gpus``, ``batchfit gpus``)."""
+    return {"catalog": CATALOG_VERSION, "gpus": [
+        {"name": g.name, "memory_bytes": g.memory_bytes, "compute_capability": g.compute_capability,
+         "context_bytes": g.context_bytes, "peak_tflops_bf16": g.peak_tflops_bf16,
+         "peak_tflops_fp32": g.peak_tflops_fp32, "description": g.description} for g in CATALOG.values()]}

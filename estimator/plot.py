@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from estimator.allocator import CONV_WORKSPACE, Event
+from estimator.replay.allocator import CONV_WORKSPACE, Event
 
 ORDER = ("parameter", "buffer", "gradient", "optimizer_state", "activation", "temporary", "input", "workspace")
 GIB = 2**30

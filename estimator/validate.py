@@ -22,16 +22,9 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-from estimator.errors import BatchfitError
+from estimator.errors import NoGPUError
 
 ITERATIONS = 3
-
-
-class NoGPUError(BatchfitError, RuntimeError):
-    """No CUDA GPU on this machine: a validation cannot run."""
-
-    def __init__(self) -> None:
-        super().__init__("no CUDA GPU is available on this machine: validation needs one")
 
 
 @dataclass
@@ -116,7 +109,8 @@ def validate(request, source: MeasurementSource | None = None, batch_size: int |
 
     Returns ``(EstimateResponse, Validation)``; raises ``NoGPUError`` without a GPU.
     """
-    from estimator.estimate import cards_of, estimate
+    from estimator.request.adapt import cards_of
+    from estimator.pipeline import estimate
     from estimator.models import build
 
     cards_of(request)
@@ -131,7 +125,7 @@ def validate(request, source: MeasurementSource | None = None, batch_size: int |
     first = response.results[0]
     batch = batch_size or request.batch_size or first.max_batch_size or first.min_batch_size
     if batch != first.memory.batch_size:
-        from estimator.spec import parse_request
+        from estimator.request.spec import parse_request
 
         again = parse_request({**request.model_dump(mode="json"), "batch_size": batch})
         response = estimate(again)
@@ -148,7 +142,7 @@ def local_card():
     import torch
 
     from estimator.gpus import CATALOG
-    from estimator.spec import CustomGPUSpec
+    from estimator.request.spec import CustomGPUSpec
 
     pynvml.nvmlInit()
     handle = pynvml.nvmlDeviceGetHandleByIndex(0)
@@ -180,14 +174,14 @@ def _nvml_used() -> tuple[int, str, str]:
 
 
 def _child(doc: dict[str, Any]) -> Measurement:
+    import dataclasses
+
     import torch
 
-    from estimator.checkpointing import enable_checkpointing
-    from estimator.estimate import recipe_of
     from estimator.models import build
-    from estimator.optimizers import build_optimizer
-    from estimator.spec import parse_request
-    from estimator.trace import apply_model
+    from estimator.request.adapt import recipe_of
+    from estimator.request.spec import parse_request
+    from estimator.simulate.step import StepHooks, cast_model, prepare, run_steps
 
     request = parse_request(doc["request"])
     batch = int(doc["batch_size"])
@@ -200,45 +194,26 @@ def _child(doc: dict[str, Any]) -> Measurement:
                     context_bytes=baseline - before_init)
     torch.cuda.reset_peak_memory_stats()
     built = build(request)
-    recipe = recipe_of(request)
+    recipe = dataclasses.replace(recipe_of(request), iterations=ITERATIONS)
     torch.backends.cudnn.benchmark = recipe.cudnn_benchmark
-    try:
-        with torch.device("cuda"):
-            model = built.factory()
-        if recipe.precision == "bf16":
-            model = model.to(torch.bfloat16)
-        model.train()
-        if recipe.gradient_checkpointing:
-            enable_checkpointing(model, recipe.gradient_checkpointing)  # as the simulation does
-        params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = build_optimizer(recipe, params)
-        scaler = torch.amp.GradScaler("cuda") if recipe.uses_grad_scaler else None
+    class Measuring(StepHooks):
+        """The real loop, reading NVML's used memory after each iteration."""
+
         peak_used = 0
-        for _ in range(ITERATIONS):
-            if recipe.zero_grad_at == "step-start":
-                optimizer.zero_grad(set_to_none=recipe.zero_grad_set_to_none)
-            for micro in range(recipe.grad_accumulation_steps):
-                inputs, targets = built.batch_factory(batch, torch.device("cuda"))
-                with torch.autocast("cuda", dtype=recipe.autocast_dtype or torch.float32,
-                                    enabled=recipe.autocast_dtype is not None):
-                    # pure bf16: a copy for the forward alone; the fp32 batch stays alive (as simulated)
-                    keep = getattr(built.batch_factory, "keep_dtype", ())
-                    out = apply_model(model, recipe.forward_inputs(inputs, keep))
-                    loss = built.loss_fn(out, targets)
-                del out
-                if micro == 0 and recipe.zero_grad_at == "after-forward":
-                    optimizer.zero_grad(set_to_none=recipe.zero_grad_set_to_none)
-                if recipe.grad_accumulation_steps > 1:
-                    loss = loss / recipe.grad_accumulation_steps
-                (scaler.scale(loss) if scaler else loss).backward()
-                del loss, inputs, targets
-            if scaler:
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
+
+        def iteration_end(self, iteration: int) -> None:
             torch.cuda.synchronize()
-            peak_used = max(peak_used, _nvml_used()[0])
+            self.peak_used = max(self.peak_used, _nvml_used()[0])
+
+    device = torch.device("cuda")
+    measuring = Measuring(device)
+    try:
+        with device:
+            model = built.factory()
+        # the loop the simulation runs (estimator/simulate/step.py), for real
+        run_steps(prepare(cast_model(model, recipe), recipe), built.batch_factory, built.loss_fn, batch, recipe,
+                  device, measuring)
+        peak_used = measuring.peak_used
     except torch.cuda.OutOfMemoryError as exc:
         m.oom, m.error = True, f"out of memory: {str(exc).splitlines()[0]}"
         peak_used = _nvml_used()[0]

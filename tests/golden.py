@@ -51,14 +51,23 @@ REQUESTS: dict[str, tuple[dict, dict, dict]] = {
 }
 
 
+def _spelled(search) -> str:
+    """A ``Search`` as the recording spells it (before ``search`` was a structured field, issue 12)."""
+    from estimator.plan.results import SearchMethod
+
+    return {SearchMethod.AFFINE_CHECKED: f"affine, checked at batch {search.checked_batch}",
+            SearchMethod.AFFINE_CONFIRMED: "affine, confirmed", SearchMethod.AFFINE: "affine",
+            SearchMethod.FULL: "full"}[search.method]
+
+
 def answers(name: str) -> list[dict]:
-    from estimator.estimate import estimate
-    from estimator.spec import parse_request
+    from estimator.pipeline import estimate
+    from estimator.request.spec import parse_request
 
     model, inp, training = REQUESTS[name]
     request = parse_request({"model": model, "input": inp, "training": training, "gpus": CARDS,
                              "planner": {"curve_points": 0}})
-    return [{"gpu": r.gpu, "max": r.max_batch_size, "recommended": r.recommended_batch_size, "search": r.search,
+    return [{"gpu": r.gpu, "max": r.max_batch_size, "recommended": r.recommended_batch_size, "search": _spelled(r.search),
              "allocated": r.memory.allocated_peak_bytes, "reserved": r.memory.reserved_peak_bytes,
              "device": r.memory.device_peak_bytes} for r in estimate(request).results]
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from estimator.allocator import AllocatorConfig, Event, allocation_size, replay, round_size
+from estimator.replay.allocator import AllocatorConfig, Event, allocation_size, replay, round_size
 from estimator.errors import ReplayError
 
 MiB = 1024 * 1024

@@ -15,10 +15,10 @@ from estimator import background
 from estimator.background import Background
 from estimator.gpus import get_gpu
 from estimator.models import build
-from estimator.recipe import Recipe
-from estimator.simulator import Simulator
-from estimator.spec import parse_request
-from estimator.trace import record_training
+from estimator.request.recipe import Recipe
+from estimator.sources import Simulator
+from estimator.request.spec import parse_request
+from estimator.simulate.record import record_training
 
 A100 = get_gpu("A100-80GB")
 

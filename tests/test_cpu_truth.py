@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from estimator.recipe import Recipe
-from estimator.report import estimate_memory
-from zoo import ZOO
+from estimator.request.recipe import Recipe
+from estimator.pipeline import estimate_memory
+from estimator.testing.zoo import ZOO
 
 # Reentrant checkpoint also snapshots the CPU RNG state (a 5,056 B host tensor made
 # outside the dispatcher) per call; that is host memory a GPU prediction never counts.
@@ -16,7 +16,7 @@ BATCH = 4
 
 
 def _real_peak(name: str, recipe: Recipe) -> int:
-    """Peak live bytes of the CPU allocator over the same loop the simulator runs.
+    """Peak live bytes of the CPU allocator over the loop the simulator runs, run for real.
 
     oneDNN stays off: its bf16 convolutions allocate a scratchpad of their own
     through the CPU allocator (80 KB forward, 110 KB backward for ``conv`` at
@@ -24,28 +24,15 @@ def _real_peak(name: str, recipe: Recipe) -> int:
     workspace is cuDNN's, modelled on its own); fp32 takes the same native path
     here either way.
     """
-    from estimator.optimizers import build_optimizer
+    from estimator.simulate.step import cast_model, prepare, run_steps
 
     mf, bf, lf = ZOO[name]
     torch.manual_seed(0)
     with torch.backends.mkldnn.flags(enabled=False), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        model = mf().to(recipe.param_dtype)
-        model.train()
-        params = [p for p in model.parameters() if p.requires_grad]
-        opt = build_optimizer(recipe, params)
-        batch = None
-        for _ in range(recipe.iterations):
-            opt.zero_grad(set_to_none=True)
-            batch = bf(BATCH, torch.device("cpu"))
-            inputs, targets = batch
-            inputs = recipe.forward_inputs(inputs)  # pure bf16: a bf16 copy, the fp32 batch stays alive
-            out = model(**inputs) if isinstance(inputs, dict) else model(inputs)
-            loss = lf(out, targets)
-            del out
-            loss.backward()
-            del loss, inputs, targets
-            opt.step()
-        del batch
+        # the loop the simulation runs (estimator/simulate/step.py), for real on the CPU
+        training = prepare(cast_model(mf(), recipe), recipe)
+        run_steps(training, bf, lf, BATCH, recipe, torch.device("cpu"))
+        del training
     from torch._C._profiler import _EventType
 
     allocations = []

@@ -7,12 +7,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from estimator.allocator import AllocatorConfig, replay_sized
-from estimator.estimate import estimate
+from estimator.replay.allocator import AllocatorConfig, replay_sized
+from estimator.pipeline import estimate
 from estimator.gpus import MIB, get_gpu
-from estimator.recipe import Recipe
-from estimator.report import estimate_memory
-from estimator.spec import parse_request
+from estimator.request.recipe import Recipe
+from estimator.pipeline import estimate_memory
+from estimator.request.spec import parse_request
 
 A100, T4 = get_gpu("A100-80GB"), get_gpu("T4-16GB")
 B = 8
@@ -152,8 +152,8 @@ def test_cards_on_either_side_of_sm80_do_not_share_a_bf16_conv_trace() -> None:
 
 
 def test_a_profile_keeps_the_capability_thresholds(tmp_path) -> None:
-    from estimator.estimate import estimate_from_profile, make_profile
-    from estimator.profile import PortableProfile
+    from estimator.pipeline import estimate_from_profile, make_profile
+    from estimator.portable import PortableProfile
 
     body = {"model": {"source": "torchvision", "name": "resnet18"}, "input": {"image_size": [3, 64, 64]},
             "training": {"precision": "bf16"}, "gpus": ["A100-40GB"]}

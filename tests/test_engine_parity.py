@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from estimator.recipe import Recipe
-from estimator.trace import record_training
-from zoo import ZOO
+from estimator.request.recipe import Recipe
+from estimator.simulate.record import record_training
+from estimator.testing.zoo import ZOO
 
 EXACT = [
     "resnet18", "resnet50", "vit_b_16", "mobilenet_v3_small", "lstm", "gpt2", "bert", "tied", "inplace", "inplace_view",

@@ -11,14 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-import estimator.virtual_gpu.fake_mode as fake_mode
 from estimator.gpus import get_gpu
 from estimator.models import build
-from estimator.recipe import Recipe
-from estimator.spec import parse_request
-from estimator.trace import record_training
-from estimator.virtual_gpu import VirtualGPU
-from zoo import ZOO
+from estimator.request.recipe import Recipe
+from estimator.request.spec import parse_request
+from estimator.simulate.record import record_training
+from estimator.simulate.virtual_gpu import Shortcuts, VirtualGPU
+from estimator.testing.zoo import ZOO
 
 A100 = get_gpu("A100-80GB")
 aten = torch.ops.aten
@@ -39,12 +38,11 @@ FOREACH_RECIPES = [
 @pytest.mark.parametrize("optimizer, kwargs", FOREACH_RECIPES)
 @pytest.mark.parametrize("model, precision", [("conv", "fp32"), ("conv", "amp-fp16"), ("conv", "amp-bf16"),
                                               ("mlp", "bf16")])
-def test_foreach_shortcut(optimizer, kwargs, model, precision, monkeypatch) -> None:
+def test_foreach_shortcut(optimizer, kwargs, model, precision) -> None:
     mf, bf, lf = ZOO[model]
     recipe = Recipe(optimizer=optimizer, optimizer_kwargs=kwargs, precision=precision)
     fast = record_training(mf, bf, lf, 4, recipe, A100)
-    monkeypatch.setattr(fake_mode, "_FOREACH_ELEMENTWISE", frozenset())
-    _same(fast, record_training(mf, bf, lf, 4, recipe, A100))
+    _same(fast, record_training(mf, bf, lf, 4, recipe, A100, shortcuts=Shortcuts(foreach=False)))
 
 
 MODELS = [
@@ -57,27 +55,25 @@ MODELS = [
 
 @pytest.mark.parametrize("model", MODELS, ids=[m.get("name") or m.get("preset") for m in MODELS])
 @pytest.mark.parametrize("precision", ["fp32", "amp-fp16", "amp-bf16"])
-def test_batch_norm_and_cache_key_shortcuts(model, precision, monkeypatch) -> None:
+def test_batch_norm_and_cache_key_shortcuts(model, precision) -> None:
     inp = {"seq_len": 64} if "preset" in model else {"image_size": [3, 64, 64]}
     b = build(parse_request({"model": model, "input": inp}))
     recipe = Recipe(precision=precision)
     fast = [record_training(b.factory, b.batch_factory, b.loss_fn, n, recipe, A100) for n in (3, 5)]
-    monkeypatch.setattr(fake_mode, "FAST_BATCH_NORM", False)
-    monkeypatch.setattr(fake_mode, "FAST_CACHE_KEYS", False)
+    slow = Shortcuts(batch_norm=False, cache_keys=False)
     for n, trace in zip((3, 5), fast):
-        _same(trace, record_training(b.factory, b.batch_factory, b.loss_fn, n, recipe, A100))
+        _same(trace, record_training(b.factory, b.batch_factory, b.loss_fn, n, recipe, A100, shortcuts=slow))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("weight_low", [False, True])
 @pytest.mark.parametrize("shape, channels_last", [((8, 16, 5, 5), False), ((8, 16, 5, 5), True), ((8, 16), False),
                                                   ((4, 16, 7), False), ((2, 16, 3, 4, 5), False)])
-def test_cudnn_batch_norm_outputs(dtype, weight_low, shape, channels_last, monkeypatch) -> None:
+def test_cudnn_batch_norm_outputs(dtype, weight_low, shape, channels_last) -> None:
     wdt = dtype if weight_low else torch.float32
     results = {}
     for fast in (True, False):
-        monkeypatch.setattr(fake_mode, "FAST_BATCH_NORM", fast)
-        with VirtualGPU(A100):
+        with VirtualGPU(A100, shortcuts=Shortcuts(batch_norm=fast)):
             x = torch.empty(shape, device="cuda", dtype=dtype)
             if channels_last:
                 x = x.to(memory_format=torch.channels_last)

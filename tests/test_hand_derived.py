@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from estimator.gpus import get_gpu
-from estimator.recipe import Recipe
-from estimator.trace import record_training
-from zoo import ZOO
+from estimator.request.recipe import Recipe
+from estimator.simulate.record import record_training
+from estimator.testing.zoo import ZOO
 
 
 def totals(trace, iteration=None):

@@ -11,15 +11,16 @@ from __future__ import annotations
 import pytest
 
 from estimator.errors import SpecError
-from estimator.estimate import estimate
+from estimator.pipeline import estimate
 from estimator.gpus import CATALOG, custom_gpu, get_gpu
 from estimator.models import BuiltModel, build
-from estimator.planner import MAX_BATCH, DEFAULT_HEADROOM, DEFAULT_RESERVE_BYTES, aligned_within, headroom_capacity
-from estimator.recipe import Recipe
-from estimator.report import report_from_trace
-from estimator.spec import parse_request
-from estimator.trace import record_training
-from zoo import ZOO
+from estimator.plan.results import WarningCode
+from estimator.plan.search import DEFAULT_HEADROOM, DEFAULT_RESERVE_BYTES, MAX_BATCH, aligned_within, headroom_capacity
+from estimator.request.recipe import Recipe
+from estimator.replay.report import report_from_trace
+from estimator.request.spec import parse_request
+from estimator.simulate.record import record_training
+from estimator.testing.zoo import ZOO
 
 
 def test_headroom_capacity() -> None:
@@ -126,7 +127,7 @@ def test_no_recommendation_when_the_smallest_batch_leaves_no_headroom() -> None:
     (r,) = response.results
     assert r.max_batch_size is not None and r.recommended_batch_size is None and r.recommended_memory is None
     assert r.step_seconds is None
-    assert any("not within 1.0% of the usable memory" in w for w in response.warnings)
+    assert [w.code for w in response.warnings] == [WarningCode.NO_RECOMMENDATION]
 
 
 @pytest.mark.parametrize("value, expected", [

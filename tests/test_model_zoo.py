@@ -18,11 +18,12 @@ import torchvision.models as tvm
 from estimator.errors import BatchTooSmallError
 from estimator.gpus import get_gpu
 from estimator.models import build
-from estimator.models.transformers_models import _AUTO, presets
-from estimator.recipe import Recipe
-from estimator.spec import parse_request
-from estimator.trace import build_on_meta, record_training
-from estimator.report import report_from_trace
+from estimator.models.transformers_models import AUTO_CLASSES, presets
+from estimator.request.recipe import Recipe
+from estimator.request.spec import parse_request
+from estimator.models.meta import build_on_meta
+from estimator.simulate.record import record_training
+from estimator.replay.report import report_from_trace
 
 A100 = get_gpu("A100-80GB")
 BLOCK = 512  # the caching allocator rounds every request up to 512 B ...
@@ -177,7 +178,7 @@ def _real_count(preset: str, task: str) -> int:
     cfg.pop("_source")
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     with no_init_weights():
-        model = getattr(transformers, _AUTO[task]).from_config(config, dtype=torch.float32)
+        model = getattr(transformers, AUTO_CLASSES[task]).from_config(config, dtype=torch.float32)
     model.tie_weights()
     return sum(p.numel() for p in model.parameters())
 

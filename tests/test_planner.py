@@ -12,15 +12,16 @@ import torch.nn.functional as F
 
 from estimator.gpus import CATALOG, MIB, custom_gpu, get_gpu
 from estimator.models import BuiltModel, build
-from estimator.planner import DEFAULT_HEADROOM, DEFAULT_RESERVE_BYTES, headroom_capacity, recommended
-from estimator.profile import fit
-from estimator.recipe import Recipe
-from estimator.report import report_from_trace
-from estimator.simulator import Simulator
-from estimator.estimate import estimate
-from estimator.spec import parse_request
-from estimator.trace import record_training
-from zoo import ZOO
+from estimator.plan.results import Search, SearchMethod, WarningCode
+from estimator.plan.search import DEFAULT_HEADROOM, DEFAULT_RESERVE_BYTES, headroom_capacity, recommended
+from estimator.plan.affine import fit
+from estimator.request.recipe import Recipe
+from estimator.replay.report import report_from_trace
+from estimator.sources import Simulator
+from estimator.pipeline import estimate
+from estimator.request.spec import parse_request
+from estimator.simulate.record import record_training
+from estimator.testing.zoo import ZOO
 
 A100 = get_gpu("A100-80GB")
 T4 = get_gpu("T4-16GB")
@@ -75,8 +76,8 @@ def test_ops_that_change_with_the_batch_fall_back_to_full_simulations() -> None:
     request = parse_request({"model": {"source": "custom", "factory": "x:y"}, "gpus": [tiny]}, allow_local_code=True)
     response = estimate(request, built=built, reserve_bytes=0)
     (result,) = response.results
-    assert result.search == "full"
-    assert any("change with the batch" in w for w in response.warnings)
+    assert result.search == Search(SearchMethod.FULL)
+    assert WarningCode.NOT_AFFINE in [w.code for w in response.warnings]
     card = custom_gpu("tiny", 600 * MIB, "8.0", 300 * MIB)
 
     def fits(b: int) -> bool:
@@ -110,8 +111,8 @@ def test_max_fits_and_max_plus_one_does_not(model, inp) -> None:
     for result in response.results:
         card = get_gpu(result.gpu)
         best = result.max_batch_size
-        assert best is not None and result.search.startswith("affine, checked at batch ")
-        assert int(result.search.rsplit(" ", 1)[1]) > best  # the check lies past every card's answer
+        assert best is not None and result.search.method == SearchMethod.AFFINE_CHECKED
+        assert result.search.checked_batch > best  # the check lies past every card's answer
 
         def report(b: int, on=card):
             trace = record_training(built.factory, built.batch_factory, built.loss_fn, b, recipe, on)
@@ -133,7 +134,7 @@ def test_a_bigger_card_never_gets_a_smaller_max() -> None:
     sizes = [8, 12, 16, 24, 40, 48, 80, 141]
     gpus = [{"name": f"c{g}", "memory_bytes": g * 2**30, "compute_capability": "8.0"} for g in sizes]
     request = parse_request({"model": {"source": "torchvision", "name": "resnet18"}, "gpus": gpus})
-    maxes = [r.max_batch_size for r in estimate(request, confirm=False).results]
+    maxes = [r.max_batch_size for r in estimate(request, confirm="none").results]
     assert all(m is not None for m in maxes)
     assert maxes == sorted(maxes) and len(set(maxes)) == len(maxes)
 
@@ -195,8 +196,8 @@ def test_the_top_check_catches_a_path_change_between_the_fit_and_the_answers() -
                                        "context_bytes": 300 * MIB}]}, allow_local_code=True)
     response = estimate(request, built=built, reserve_bytes=0)
     (result,) = response.results
-    assert result.search == "full"
-    assert any("differs from the affine trace" in w for w in response.warnings)
+    assert result.search == Search(SearchMethod.FULL)
+    assert WarningCode.CHECK_DIFFERS in [w.code for w in response.warnings]
 
     def fits(b: int) -> bool:
         trace = record_training(built.factory, built.batch_factory, built.loss_fn, b, Recipe(), card)
@@ -211,7 +212,7 @@ def test_every_card_confirmation_agrees_with_the_top_check() -> None:
     top = estimate(request)
     every = estimate(request, confirm="every-card")
     assert [r.max_batch_size for r in top.results] == [r.max_batch_size for r in every.results]
-    assert all(r.search == "affine, confirmed" for r in every.results)
+    assert all(r.search == Search(SearchMethod.AFFINE_CONFIRMED) for r in every.results)
     # one trace serves the sm80 and sm90 cards (the cuBLAS workspace is substituted per card):
     # batches 1 and 2, and one check past the largest answer
     assert top.provenance.simulations == 3

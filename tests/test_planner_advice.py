@@ -11,16 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from estimator.estimate import estimate, estimate_from_profile, make_profile
+from estimator.pipeline import estimate, estimate_from_profile, make_profile
 from estimator.errors import SpecError
 from estimator.gpus import get_gpu
 from estimator.models import build
-from estimator.planner import AccumulationPlan, accumulation_plan, curve_batches, lr_advice, step_seconds
-from estimator.profile import PortableProfile
-from estimator.recipe import Recipe
-from estimator.report import report_from_trace
-from estimator.spec import parse_request
-from estimator.trace import record_training
+from estimator.plan.advice import AccumulationPlan, accumulation_plan, curve_batches, lr_advice, step_seconds
+from estimator.portable import PortableProfile
+from estimator.request.recipe import Recipe
+from estimator.replay.report import report_from_trace
+from estimator.request.spec import parse_request
+from estimator.simulate.record import record_training
 
 SMALL_GPT2 = {"source": "transformers", "preset": "gpt2", "config": {"n_layer": 2}}
 
@@ -63,7 +63,7 @@ def test_resnet50_flops_per_sample() -> None:
     # torchvision's resnet50: 4.089 GMACs forward (its model table) = 8.18 GFLOP; backward is twice
     # the forward (grad wrt inputs and weights) less the first conv's unneeded input gradient
     response = estimate(parse_request({"model": {"source": "torchvision", "name": "resnet50"}, "gpus": ["A100-80GB"],
-                                       "planner": {"curve_points": 0}}), confirm=False)
+                                       "planner": {"curve_points": 0}}), confirm="none")
     assert response.flops_per_sample == pytest.approx(3 * 2 * 4.089e9, rel=0.02)
 
 
@@ -71,13 +71,13 @@ def test_epoch_time_and_limit() -> None:
     base = {"model": {"source": "torchvision", "name": "resnet18"}, "gpus": ["A100-80GB"]}
     planner = {"dataset_size": 1_281_167, "data_parallel_ranks": 8, "target_global_batch": 1024,
                "base_lr": 0.1, "base_batch": 256}
-    fast = estimate(parse_request({**base, "planner": {**planner, "max_epoch_seconds": 3600}}), confirm=False)
+    fast = estimate(parse_request({**base, "planner": {**planner, "max_epoch_seconds": 3600}}), confirm="none")
     (r,) = fast.results
     steps = -(-1_281_167 // (r.recommended_batch_size * 8))
     assert r.epoch_seconds == pytest.approx(steps * r.step_seconds)
     assert r.meets_epoch_limit is True
     limit = r.epoch_seconds / 2
-    slow = estimate(parse_request({**base, "planner": {**planner, "max_epoch_seconds": limit}}), confirm=False)
+    slow = estimate(parse_request({**base, "planner": {**planner, "max_epoch_seconds": limit}}), confirm="none")
     assert slow.results[0].meets_epoch_limit is False
     # each curve point says whether its batch meets the limit
     assert [p.meets_epoch_limit for p in slow.results[0].curve] == [p.epoch_seconds <= limit
@@ -99,7 +99,7 @@ def test_profile_answers_like_the_spec(tmp_path) -> None:
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(profile.to_json()))
     again = PortableProfile.from_json(json.loads(path.read_text()))
-    from_spec = estimate(request, confirm=False)
+    from_spec = estimate(request, confirm="none")
     from_profile = estimate_from_profile(again, gpus=["T4-16GB", "A100-40GB"])
     assert from_profile.provenance.simulations == 0
     for a, b in zip(from_spec.results, from_profile.results):
@@ -136,7 +136,7 @@ def test_max_seq_len_fits_and_one_more_does_not() -> None:
     card = {"name": "small", "memory_bytes": 3 * 2**30, "compute_capability": "8.0"}
     request = parse_request({"model": SMALL_GPT2, "input": {"seq_len": 64}, "gpus": [card], "batch_size": 4,
                              "planner": {"max_seq_len": True, "curve_points": 0}})
-    (r,) = estimate(request, confirm=False).results
+    (r,) = estimate(request, confirm="none").results
     assert r.max_seq_len is not None and 64 < r.max_seq_len < 1024
     gpu = get_gpu("A100-80GB").__class__("small", 3 * 2**30, (8, 0), 450 * 2**20, 0.0, 0.0)
 

@@ -32,10 +32,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from estimator.allocator import round_size
+from estimator.replay.allocator import round_size
 from estimator.gpus import MIB, get_gpu
-from estimator.recipe import Recipe
-from estimator.report import estimate_memory
+from estimator.request.recipe import Recipe
+from estimator.pipeline import estimate_memory
 
 
 def bert_large():

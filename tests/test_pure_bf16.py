@@ -13,11 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from estimator.estimate import estimate, recipe_of
+from estimator.pipeline import estimate
+
+from estimator.request.adapt import recipe_of
 from estimator.gpus import get_gpu
 from estimator.models import build
-from estimator.spec import parse_request
-from estimator.trace import record_training
+from estimator.request.spec import parse_request
+from estimator.simulate.record import record_training
 
 BATCH = 2
 QUICK = {"confirm": "none", "curve_points": 0}
@@ -99,7 +101,7 @@ def test_pure_bf16_holds_fewer_bytes_than_fp32() -> None:
 
 
 def test_forward_inputs_keeps_integers_and_named_positions() -> None:
-    from estimator.recipe import Recipe
+    from estimator.request.recipe import Recipe
 
     x, ids = torch.zeros(2, 3), torch.zeros(2, dtype=torch.long)
     out = Recipe(precision="bf16").forward_inputs((x, {"ids": ids, "boxes": x}), keep=(1,))

@@ -12,9 +12,12 @@ import pytest
 
 from estimator.cli import main
 from estimator.errors import SpecError
-from estimator.estimate import estimate
+from estimator.pipeline import estimate
 from estimator.gpus import CATALOG
-from estimator.spec import EstimateResponse, parse_request
+from pydantic import TypeAdapter
+
+from estimator.plan.results import EstimateResponse
+from estimator.request.spec import parse_request
 
 TV = {"source": "torchvision", "name": "resnet18"}
 
@@ -127,7 +130,8 @@ def test_cli_end_to_end_json_contract() -> None:
                           capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert proc.returncode == 0, proc.stderr
     body = json.loads(proc.stdout)
-    response = EstimateResponse.model_validate(body, strict=True)  # every size an int, every field present
+    # every size an int, every field present
+    response = TypeAdapter(EstimateResponse).validate_json(proc.stdout, strict=True)
     assert [r.gpu for r in response.results] == ["T4-16GB", "tiny"]
     t4, tiny = response.results
     assert t4.capacity_bytes == CATALOG["T4-16GB"].memory_bytes and tiny.capacity_bytes == 2 * 2**30

@@ -13,7 +13,7 @@ from app.settings import Settings
 from estimator.gpus import CATALOG
 
 SMALL = {"model": {"source": "torchvision", "name": "resnet18"}, "gpus": ["T4-16GB"],
-         "planner": {"confirm": False, "curve_points": 0}}
+         "planner": {"confirm": "none", "curve_points": 0}}
 PROBLEM = "application/problem+json"
 
 

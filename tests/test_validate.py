@@ -14,12 +14,13 @@ from fastapi.testclient import TestClient
 
 from app.main import create_app
 from app.settings import Settings
-from estimator.spec import parse_request
-from estimator.validate import Measurement, NoGPUError, compare, cuda_available, validate
+from estimator.request.spec import parse_request
+from estimator.errors import NoGPUError
+from estimator.validate import Measurement, compare, cuda_available, validate
 
 GIB = 2**30
 SMALL = {"model": {"source": "torchvision", "name": "resnet18"}, "gpus": ["T4-16GB"],
-         "planner": {"confirm": False, "curve_points": 0}}
+         "planner": {"confirm": "none", "curve_points": 0}}
 
 
 def test_compare_against_a_recorded_measurement() -> None:

@@ -9,11 +9,11 @@ import torch.nn.functional as F
 
 from estimator.errors import DataDependentError, SimulationError, UnknownGPUError
 from estimator.gpus import get_gpu
-from estimator.recipe import Recipe
-from estimator.report import estimate_memory
-from estimator.trace import record_training
-from estimator.virtual_gpu import VirtualGPU
-from zoo import ZOO
+from estimator.request.recipe import Recipe
+from estimator.pipeline import estimate_memory
+from estimator.simulate.record import record_training
+from estimator.simulate.virtual_gpu import NullObserver, VirtualGPU
+from estimator.testing.zoo import ZOO
 
 
 def _torch_state():
@@ -65,7 +65,12 @@ def test_autocast_policy_is_cudas() -> None:
 ])
 def test_attention_backend_is_the_cards(gpu, dtype, mask, op) -> None:
     seen = []
-    with VirtualGPU(get_gpu(gpu), observer=lambda f, a, k, o: seen.append(f._schema.name.split("::")[-1])):
+
+    class Ops(NullObserver):
+        def on_op(self, func, args, kwargs, out) -> None:
+            seen.append(func._schema.name.split("::")[-1])
+
+    with VirtualGPU(get_gpu(gpu), observer=Ops()):
         q = torch.empty(2, 8, 128, 64, device="cuda", dtype=dtype, requires_grad=True)
         m = torch.zeros(128, 128, device="cuda", dtype=torch.bool) if mask else None
         F.scaled_dot_product_attention(q, q, q, attn_mask=m)
@@ -148,7 +153,7 @@ class EmptiesTheCache(nn.Module):
 
 
 def test_the_models_own_empty_cache_releases_the_cached_segments() -> None:
-    from estimator.allocator import AllocatorConfig, replay_sized
+    from estimator.replay.allocator import AllocatorConfig, replay_sized
 
     def batch(b, device):
         return torch.empty(b, 1024, device=device), torch.zeros(b, dtype=torch.long, device=device)

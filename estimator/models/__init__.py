@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from estimator.errors import SpecError
-from estimator.spec import EstimateRequest
+from estimator.request.spec import EstimateRequest
 
 
 @dataclass
@@ -70,7 +70,7 @@ def unknown_name(field_name: str, name: str, known: list[str], what: str) -> Spe
 
 def probe(factory: Callable[[], torch.nn.Module], field_name: str, value: Any) -> torch.nn.Module:
     """Build once on meta so bad kwargs fail here, as a ``SpecError``."""
-    from estimator.trace import build_on_meta
+    from estimator.models.meta import build_on_meta
 
     try:
         model = build_on_meta(factory)
@@ -92,3 +92,21 @@ def refuse_downloads(kwargs: dict[str, Any], field_name: str, keys: dict[str, An
         if key in kwargs and kwargs[key] != allowed:
             raise SpecError(f"{field_name}.{key}", kwargs[key],
                             f"{allowed!r}: batchfit never downloads weights (memory does not depend on them)")
+
+
+def model_sources() -> dict[str, Any]:
+    """What each model source offers, as JSON data (``GET /models``)."""
+    from typing import get_args
+
+    import timm
+
+    from estimator.models.torchvision_models import families
+    from estimator.models.transformers_models import presets
+    from estimator.request.spec import AttnImplementation, Task
+
+    return {
+        "torchvision": families(),
+        "timm": {"names": timm.list_models()},
+        "transformers": {"presets": sorted(presets()), "tasks": list(get_args(Task)),
+                         "attn_implementation": list(get_args(AttnImplementation))},
+    }

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from estimator.errors import SpecError
 from estimator.models import BuiltModel, count_parameters, probe
 from estimator.models import tasks
-from estimator.spec import CustomModel, InputSpec
+from estimator.request.spec import CustomModel, InputSpec
 
 
 def load_factory(ref: str, field_name: str = "model.factory"):

@@ -12,7 +12,7 @@ import functools
 from estimator.errors import SpecError
 from estimator.models import BuiltModel, count_parameters, probe, refuse_downloads, unknown_name
 from estimator.models import tasks
-from estimator.spec import InputSpec, TimmModel
+from estimator.request.spec import InputSpec, TimmModel
 
 # Keys that would read or fetch files.
 _NO_FILES = {"pretrained": False, "checkpoint_path": "", "pretrained_cfg_overlay": None, "cache_dir": None}

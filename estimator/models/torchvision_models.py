@@ -19,7 +19,7 @@ import torchvision.models as tvm
 from estimator.errors import SpecError
 from estimator.models import BuiltModel, count_parameters, probe, refuse_downloads, unknown_name
 from estimator.models import tasks
-from estimator.spec import InputSpec, TorchvisionModel
+from estimator.request.spec import InputSpec, TorchvisionModel
 
 DEFAULT_FRAMES = 16  # torchvision's video references train on 16-frame clips
 # COCO train2017 has about 7.3 annotated objects per image; 8 rounds up.

@@ -17,9 +17,10 @@ import torch
 from estimator.errors import SpecError
 from estimator.models import BuiltModel, count_parameters, probe, unknown_name
 from estimator.models import tasks
-from estimator.spec import InputSpec, TransformersModel
+from estimator.request.spec import InputSpec, TransformersModel
 
-_AUTO = {
+# The Auto class that builds each task's head.
+AUTO_CLASSES = {
     "causal-lm": "AutoModelForCausalLM",
     "masked-lm": "AutoModelForMaskedLM",
     "sequence-classification": "AutoModelForSequenceClassification",
@@ -105,10 +106,10 @@ def build_transformers(spec: TransformersModel, inp: InputSpec) -> BuiltModel:
     task = spec.task or next((t for suffix, t in _ARCH_TASK for a in raw.get("architectures") or [] if a.endswith(suffix)),
                              None)
     if task is None:
-        raise SpecError("model.task", None, f"one of {', '.join(_AUTO)} (the config names no architecture)")
-    auto = getattr(transformers, _AUTO[task])
+        raise SpecError("model.task", None, f"one of {', '.join(AUTO_CLASSES)} (the config names no architecture)")
+    auto = getattr(transformers, AUTO_CLASSES[task])
     if type(config) not in auto._model_mapping:
-        supported = [t for t, name in _AUTO.items() if type(config) in getattr(transformers, name)._model_mapping]
+        supported = [t for t, name in AUTO_CLASSES.items() if type(config) in getattr(transformers, name)._model_mapping]
         raise SpecError("model.task", task, f"a task {model_type} supports: {', '.join(supported) or 'none'}")
     assumptions: list[str] = []
     if task == "sequence-classification" and getattr(config, "pad_token_id", None) is None:

@@ -1,6 +1,6 @@
 """From an event trace to a memory report for one card.
 
->>> report = estimate_memory(factory, batches, loss_fn, 32, gpu="A100-80GB")   # doctest: +SKIP
+>>> report = report_from_trace(trace, 32, get_gpu("A100-80GB"))            # doctest: +SKIP
 >>> report.device_peak_bytes - report.reserved_peak_bytes == report.context_bytes
 True
 """
@@ -9,47 +9,66 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Annotated
 
-from estimator.allocator import CONV_WORKSPACE, AllocatorConfig, ReplayResult, replay_sized
-from estimator.gpus import GPU, get_gpu
-from estimator.recipe import Recipe
-from estimator.trace import BatchFactory, LossFn, ModelFactory, Trace, record_training
+from pydantic import Field
+
+from estimator.gpus import GPU
+from estimator.replay.allocator import AllocatorConfig, ReplayResult, replay_sized
+from estimator.trace import Category, Trace
 
 
 @dataclass(frozen=True)
 class Breakdown:
-    """Bytes live at the allocated peak, by category (allocator block sizes); ``workspace`` holds the
-    cuBLAS handles' and any cuDNN convolution's."""
+    """Bytes live at the allocated peak of the step at ``batch_size``, by category (allocator block
+    sizes); ``workspace`` holds the cuBLAS handles' and any cuDNN convolution's."""
 
     parameters: int = 0
-    buffers: int = 0
     gradients: int = 0
     optimizer_state: int = 0
     activations: int = 0
     temporaries: int = 0
     inputs: int = 0
+    buffers: int = 0
     workspace: int = 0
+    batch_size: Annotated[int, Field(description="the batch this breakdown is for")] = 0
 
     @classmethod
-    def from_categories(cls, by_cat: dict[str, int]) -> "Breakdown":
+    def from_categories(cls, by_cat: dict[str, int], batch_size: int = 0) -> Breakdown:
         return cls(
-            parameters=by_cat.get("parameter", 0),
-            buffers=by_cat.get("buffer", 0),
-            gradients=by_cat.get("gradient", 0),
-            optimizer_state=by_cat.get("optimizer_state", 0),
-            activations=by_cat.get("activation", 0),
-            temporaries=by_cat.get("temporary", 0),
-            inputs=by_cat.get("input", 0),
-            workspace=by_cat.get("workspace", 0) + by_cat.get(CONV_WORKSPACE, 0),
+            parameters=by_cat.get(Category.PARAMETER, 0),
+            gradients=by_cat.get(Category.GRADIENT, 0),
+            optimizer_state=by_cat.get(Category.OPTIMIZER_STATE, 0),
+            activations=by_cat.get(Category.ACTIVATION, 0),
+            temporaries=by_cat.get(Category.TEMPORARY, 0),
+            inputs=by_cat.get(Category.INPUT, 0),
+            buffers=by_cat.get(Category.BUFFER, 0),
+            workspace=by_cat.get(Category.WORKSPACE, 0) + by_cat.get(Category.CONV_WORKSPACE, 0),
+            batch_size=batch_size,
         )
 
     def total(self) -> int:
-        return sum(vars(self).values())
+        """Every byte of the breakdown."""
+        return (self.parameters + self.gradients + self.optimizer_state + self.activations + self.temporaries
+                + self.inputs + self.buffers + self.workspace)
 
 
-@dataclass
-class MemoryReport:
-    """What one training step needs on one card.
+@dataclass(frozen=True, kw_only=True)
+class MemoryAtBatch:
+    """The memory of one training step at one batch on one card."""
+
+    batch_size: int
+    allocated_peak_bytes: Annotated[int, Field(description="torch.cuda.max_memory_allocated()")]
+    reserved_peak_bytes: Annotated[int, Field(description="torch.cuda.max_memory_reserved()")]
+    device_peak_bytes: Annotated[int, Field(description="nvidia-smi: reserved + CUDA context")]
+    fits: bool
+    peak_phase: Annotated[str, Field(description="phase of the step where the allocated peak falls")] = ""
+    peak_module: Annotated[str, Field(description="module running at the allocated peak")] = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryReport(MemoryAtBatch):
+    """What one training step needs on one card: the memory at the batch, and what it is made of.
 
     ``allocated_peak_bytes``: ``torch.cuda.max_memory_allocated()``;
     ``reserved_peak_bytes``: ``torch.cuda.max_memory_reserved()``;
@@ -58,20 +77,13 @@ class MemoryReport:
     """
 
     gpu: str
-    batch_size: int
-    allocated_peak_bytes: int
-    reserved_peak_bytes: int
-    device_peak_bytes: int
     context_bytes: int
     capacity_bytes: int | None
-    fits: bool
     breakdown: Breakdown
-    peak_phase: str
-    peak_module: str
     peak_iteration: int
     unsupported: list[str] = field(default_factory=list)
     assumptions: list[str] = field(default_factory=list)
-    trace: Trace | None = field(default=None, repr=False)
+    trace: Trace | None = field(default=None, repr=False, compare=False)
 
 
 def report_from_trace(
@@ -98,9 +110,11 @@ def report_from_trace(
             by_cat[cat] = by_cat.get(cat, 0) + n
         at = trace.allocations[trace.events[idx][1]] if trace.events else None
         return MemoryReport(
-            "cpu", batch_size, peak, peak, peak, 0, None, True, Breakdown.from_categories(by_cat),
-            at.phase if at else "", at.module if at else "", at.iteration if at else 0,
-            list(trace.unsupported), list(trace.assumptions), trace,
+            gpu="cpu", batch_size=batch_size, allocated_peak_bytes=peak, reserved_peak_bytes=peak,
+            device_peak_bytes=peak, context_bytes=0, capacity_bytes=None, fits=True,
+            breakdown=Breakdown.from_categories(by_cat, batch_size), peak_phase=at.phase if at else "",
+            peak_module=at.module if at else "", peak_iteration=at.iteration if at else 0,
+            unsupported=list(trace.unsupported), assumptions=list(trace.assumptions), trace=trace,
         )
 
     allocator = allocator or AllocatorConfig()
@@ -130,33 +144,9 @@ def report_from_replays(
         f"cuBLAS workspace {gpu.cublas_workspace_bytes} B per handle, allocated through the caching allocator",
     ]
     return MemoryReport(
-        gpu.name, batch_size,
-        shown.allocated_peak, shown.reserved_peak, shown.reserved_peak + gpu.context_bytes,
-        gpu.context_bytes, gpu.usable_bytes(reserve_bytes), capped.fits,
-        Breakdown.from_categories(shown.breakdown_at_peak), phase, module, iteration, list(unsupported), notes, trace,
+        gpu=gpu.name, batch_size=batch_size, allocated_peak_bytes=shown.allocated_peak,
+        reserved_peak_bytes=shown.reserved_peak, device_peak_bytes=shown.reserved_peak + gpu.context_bytes,
+        context_bytes=gpu.context_bytes, capacity_bytes=gpu.usable_bytes(reserve_bytes), fits=capped.fits,
+        breakdown=Breakdown.from_categories(shown.breakdown_at_peak, batch_size), peak_phase=phase,
+        peak_module=module, peak_iteration=iteration, unsupported=list(unsupported), assumptions=notes, trace=trace,
     )
-
-
-def estimate_memory(
-    model_factory: ModelFactory,
-    batch_factory: BatchFactory,
-    loss_fn: LossFn,
-    batch_size: int,
-    *,
-    recipe: Recipe | None = None,
-    gpu: str | GPU | None = "A100-80GB",
-    allocator: AllocatorConfig | None = None,
-    worst_case: bool = False,
-) -> MemoryReport:
-    """Simulate training steps of the model on ``gpu`` and report peak memory.
-
-    ``model_factory()`` is called under ``torch.device("meta")``;
-    ``batch_factory(batch_size, device)`` returns ``(inputs, targets)`` where
-    ``inputs`` is a tensor, a tuple (positional) or a dict (keyword arguments);
-    ``loss_fn(outputs, targets)`` returns the scalar loss. ``gpu=None``
-    targets the CPU.
-    """
-    card = get_gpu(gpu) if isinstance(gpu, str) else gpu
-    trace = record_training(model_factory, batch_factory, loss_fn, batch_size, recipe or Recipe(), card,
-                            worst_case=worst_case)
-    return report_from_trace(trace, batch_size, card, allocator)

@@ -1,7 +1,8 @@
-"""Where a card's answers come from: full simulations, or a portable profile.
+"""Where a card's steps come from: full simulations, or a portable profile.
 
-Both answer the same questions (``report``, ``profile``, ``replay``,
-``flops``) so the planner and ``estimate`` do not care which they ask.
+Both are ``estimator.plan.strategy.StepSource``s: they answer the same
+questions (``report``, ``profile``, ``replay``, ``flops``), so the planner
+does not care which it asks.
 """
 
 from __future__ import annotations
@@ -12,68 +13,22 @@ from collections.abc import Callable, Iterator
 import torch
 
 from estimator import background
-from estimator.allocator import AllocatorConfig, ReplayResult, replay_sized
 from estimator.errors import SpecError
 from estimator.gpus import GPU
 from estimator.models import BuiltModel
-from estimator.profile import AffineTrace, PortableProfile, fit
-from estimator.recipe import Recipe
-from estimator.report import MemoryReport, report_from_replays
-from estimator.trace import Trace, record_training
-from estimator.virtual_gpu.attention import SdpaCall, backend_for
+from estimator.plan.affine import AffineTrace, fit
+from estimator.portable import PortableProfile
+from estimator.plan.replays import ReplayCache
+from estimator.replay.report import MemoryReport
+from estimator.request.recipe import Recipe
+from estimator.simulate.record import record_training
+from estimator.simulate.virtual_gpu.attention import SdpaCall, backend_for
+from estimator.trace import Trace
 
 Progress = Callable[[int, str], None]
 # The third trace that checks the affine fit: far enough from the first two
 # that a size growing other than linearly shows.
 CHECK_OFFSET = 7
-
-
-Step = Trace | AffineTrace
-
-
-class Replays:
-    """Allocator replays of steps (traces and affine traces), cached: a search, the curve and the
-    reports of one card ask for the same batches, and cards that share a step and a workspace size
-    share the replays without a capacity and those that never reach their capacity."""
-
-    reserve_bytes = 0
-
-    def __init__(self) -> None:
-        self._capped: dict[tuple, ReplayResult] = {}
-        self._unlimited: dict[tuple, ReplayResult] = {}
-
-    @staticmethod
-    def _sized(step: Step, batch: int, workspace: int) -> tuple[list, list[int], list[str]]:
-        if isinstance(step, Trace):
-            return step.events, step.sizes(workspace), step.categories()
-        return step.events, step.sizes_at(batch, workspace), step.categories
-
-    def replay(self, step: Step, batch: int, gpu: GPU, capped: bool = True) -> ReplayResult:
-        """The step's replay on the card (its capacity less the reserve), or without a capacity."""
-        ws = gpu.cublas_workspace_bytes
-        key = (id(step), batch, ws)
-        known = self._unlimited.get(key)
-        if not capped:
-            if known is None:
-                known = self._unlimited[key] = replay_sized(*self._sized(step, batch, ws), AllocatorConfig(),
-                                                            timelines=False)
-            return known
-        cap = gpu.usable_bytes(self.reserve_bytes)
-        if known is not None and known.reserved_peak <= cap:
-            return known  # below the capacity no cudaMalloc fails: the same replay
-        if (key, cap) not in self._capped:
-            r = replay_sized(*self._sized(step, batch, ws), AllocatorConfig(cap), timelines=False)
-            self._capped[key, cap] = r
-            if r.fits and not r.failed_mallocs:
-                self._unlimited[key] = r
-        return self._capped[key, cap]
-
-    def step_report(self, step: Step, batch: int, gpu: GPU, unsupported: list[str],
-                    assumptions: list[str]) -> MemoryReport:
-        capped = self.replay(step, batch, gpu)
-        unlimited = capped if capped.fits else self.replay(step, batch, gpu, capped=False)
-        return report_from_replays(capped, unlimited, step.events, batch, gpu, step.where, unsupported, assumptions,
-                                   self.reserve_bytes, step if isinstance(step, Trace) else None)
 
 
 def backends_key(calls: list[SdpaCall], gpu: GPU, thresholds: list[tuple[int, int]] = ()) -> str:
@@ -83,7 +38,7 @@ def backends_key(calls: list[SdpaCall], gpu: GPU, thresholds: list[tuple[int, in
     return key + "".join(f";sm{t[0]}.{t[1]}{'+' if gpu.capability >= tuple(t) else '-'}" for t in thresholds)
 
 
-class Simulator(Replays):
+class Simulator(ReplayCache):
     """Full simulations of one model and recipe, shared between cards that simulate alike.
 
     A trace depends on the card only through the attention backends its
@@ -98,11 +53,10 @@ class Simulator(Replays):
 
     def __init__(self, built: BuiltModel, recipe: Recipe, progress: Progress | None = None,
                  reserve_bytes: int = 0) -> None:
-        super().__init__()
+        super().__init__(reserve_bytes)
         self.built = built
         self.recipe = recipe
         self.progress = progress
-        self.reserve_bytes = reserve_bytes
         self.traces: dict[tuple, Trace] = {}
         self.profiles: dict[tuple, AffineTrace | None] = {}  # checked against a third full simulation
         self._fits: dict[tuple, AffineTrace | None] = {}
@@ -239,16 +193,15 @@ class Simulator(Replays):
         return backends_key(probe.sdpa_calls, gpu, probe.capability_thresholds) if probe is not None else ""
 
 
-class ProfileReplayer(Replays):
+class ProfileReplayer(ReplayCache):
     """Answers from a portable profile: allocator replays of its affine traces, no model code."""
 
     can_confirm = False
     simulations = 0
 
     def __init__(self, profile: PortableProfile, reserve_bytes: int) -> None:
-        super().__init__()
+        super().__init__(reserve_bytes)
         self.doc = profile
-        self.reserve_bytes = reserve_bytes
         self.calls = [SdpaCall(getattr(torch, c["dtype"].removeprefix("torch.")), c["dim"], tuple(c["head_dims"]),
                                c["has_mask"], c["requires_grad"]) for c in profile.sdpa_calls]
 
@@ -270,7 +223,16 @@ class ProfileReplayer(Replays):
         step = self.doc.first_steps[key] if batch == self.doc.start else self.doc.steps[key]
         return self.step_report(step, batch, gpu, [], self.doc.assumptions)
 
-    report_fast = report
+    def report_fast(self, batch: int, gpu: GPU) -> MemoryReport:
+        return self.report(batch, gpu)
+
+    def candidates(self, start: int, gpu: GPU) -> Iterator[AffineTrace]:
+        """The profile's own trace: it was checked when the profile was made."""
+        yield self.profile(start, gpu)
+
+    def check(self, profile: AffineTrace, batch: int, gpu: GPU) -> bool:
+        """A profile has no model to simulate (``can_confirm`` is False): nothing can be checked."""
+        return False
 
     def flops(self, batch: int, gpu: GPU, start: int) -> int:
         f1, f2 = self.doc.flops[self.signature(gpu)]  # at start + 1 and start + 2

@@ -9,13 +9,14 @@
 Inside: tensors are fake (no memory, no data); ``torch.autograd.backward``,
 ``torch.autograd.grad`` and ``Tensor.backward`` run ``Engine``; autocast,
 SDPA backend, optimizer defaults and ``torch.cuda`` queries answer as on the
-target card. Everything patched is put back on exit (DESIGN fact 10).
+target card. Everything patched is put back on exit (docs/DESIGN.md, fact 10).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import contextlib
+from collections.abc import Iterator
+from typing import Any, Protocol
 
 import torch
 import torch.optim.optimizer as _optim
@@ -26,13 +27,65 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from estimator.errors import DataDependentError
 from estimator.gpus import GPU
-from estimator.virtual_gpu.worst_case import WorstCase
-from estimator.virtual_gpu.attention import make_sdpa
-from estimator.virtual_gpu.device import DeviceProperties, Patches, patch_cuda_queries
-from estimator.virtual_gpu.engine import Engine, SavedTensors, TensorHooks
-from estimator.virtual_gpu.fake_mode import FakeMode
+from estimator.simulate.virtual_gpu.worst_case import WorstCase
+from estimator.simulate.virtual_gpu.attention import make_sdpa
+from estimator.simulate.virtual_gpu.device import DeviceProperties, Patches, patch_cuda_queries
+from estimator.simulate.virtual_gpu.engine import Engine, SavedTensors, TensorHooks
+from estimator.simulate.virtual_gpu.fake_mode import FakeMode, Shortcuts
 
-Observer = Callable[[Any, tuple, dict, Any], None]
+__all__ = ["NullObserver", "Observer", "Shortcuts", "VirtualGPU"]
+
+
+class Observer(Protocol):
+    """What watches the virtual GPU: every op's outputs, and the memory questions torch.cuda answers.
+
+    Handed to ``VirtualGPU`` at construction (as flop_counter hands its
+    counter to its mode); ``estimator.simulate.record.Recorder`` is the one
+    that records traces.
+    """
+
+    def attach(self, engine: Engine) -> None:
+        """The GPU's backward engine, whose node stack says whether an op runs in a backward."""
+
+    def on_op(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None:
+        """``func(*args, **kwargs)`` returned ``out`` on the GPU."""
+
+    def memory_allocated(self) -> int: ...
+
+    def max_memory_allocated(self) -> int: ...
+
+    def reset_peak(self) -> None: ...
+
+    def empty_cache(self) -> None:
+        """The model called ``torch.cuda.empty_cache()``."""
+
+    def backward_end(self) -> None:
+        """A top-level backward finished."""
+
+
+class NullObserver:
+    """Watches nothing: memory queries answer 0."""
+
+    def attach(self, engine: Engine) -> None:
+        pass
+
+    def on_op(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None:
+        pass
+
+    def memory_allocated(self) -> int:
+        return 0
+
+    def max_memory_allocated(self) -> int:
+        return 0
+
+    def reset_peak(self) -> None:
+        pass
+
+    def empty_cache(self) -> None:
+        pass
+
+    def backward_end(self) -> None:
+        pass
 
 
 class _DispatchMode(TorchDispatchMode):
@@ -53,8 +106,7 @@ class _DispatchMode(TorchDispatchMode):
             out = func(*args, **kwargs)
         if policy is not None:
             policy.after(func, args, kwargs, out)
-        if vgpu.observer is not None:
-            vgpu.observer(func, args, kwargs, out)
+        vgpu.observer.on_op(func, args, kwargs, out)
         return out
 
 
@@ -68,28 +120,27 @@ class VirtualGPU:
     """
 
     def __init__(
-        self, gpu: GPU | None, *, subclass_like: bool = False, observer: Observer | None = None,
-        cpp_engine: bool = False,
+        self, gpu: GPU | None, *, observer: Observer | None = None, worst_case: WorstCase | None = None,
+        shortcuts: Shortcuts | None = None, subclass_like: bool = False, cpp_engine: bool = False,
     ) -> None:
         self.gpu = gpu
         self.is_cuda = gpu is not None
         self.device = torch.device("cuda", 0) if self.is_cuda else torch.device("cpu")
         self.capability = gpu.capability if gpu is not None else (0, 0)
-        self.observer = observer
+        self.observer: Observer = observer if observer is not None else NullObserver()
         self.saved = SavedTensors()
         self.hooks = TensorHooks()
-        self.engine = Engine(self.saved, self.hooks, subclass_like=subclass_like)
-        self.allow_item = False
+        self.engine = Engine(self.saved, self.hooks, subclass_like=subclass_like,
+                             on_backward_end=self.observer.backward_end)
+        self.observer.attach(self.engine)
+        self.shortcuts = shortcuts or Shortcuts()
+        self._allow_item = False
         self.sdpa_calls: set = set()  # SdpaCall: what the attention backend choices read
         self.card_queries: list[str] = []  # torch.cuda questions whose answer depends on the card
-        self.worst_case: WorstCase | None = None  # data-dependent ops at their largest size
+        self.worst_case = worst_case  # data-dependent ops at their largest size, or None
         # Tests only: leave torch's C++ engine in charge (works for fake CPU tensors).
         self.cpp_engine = cpp_engine and gpu is None
         self.unsupported: list[str] = []
-        self.memory_allocated: Callable[[], int] = lambda: 0
-        self.max_memory_allocated: Callable[[], int] = lambda: 0
-        self.reset_peak: Callable[[], None] = lambda: None
-        self.empty_cache: Callable[[], None] = lambda: None  # the model's own torch.cuda.empty_cache()
         self._patches = Patches()
         self._fake: FakeMode | None = None
         self._mode: _DispatchMode | None = None
@@ -113,22 +164,17 @@ class VirtualGPU:
                     name=self.gpu.name, major=self.capability[0], minor=self.capability[1],
                     total_memory=self.gpu.memory_bytes,
                 )
-                patch_cuda_queries(
-                    p, props,
-                    lambda: self.memory_allocated(),
-                    lambda: self.max_memory_allocated(),
-                    lambda: self.reset_peak(),
-                    self.card_queries.append,
-                    lambda: self.empty_cache(),
-                )
-                # DESIGN fact 5: the attention backend the card would pick.
+                obs = self.observer
+                patch_cuda_queries(p, props, obs.memory_allocated, obs.max_memory_allocated, obs.reset_peak,
+                                   self.card_queries.append, obs.empty_cache)
+                # docs/DESIGN.md, fact 5: the attention backend the card would pick.
                 p.set(torch.nn.functional, "scaled_dot_product_attention",
                       make_sdpa(torch.nn.functional.scaled_dot_product_attention, self.capability,
                                 self.sdpa_calls.add))
-                # DESIGN fact 6: FakeTensor is not a foreach type, so optimizers
+                # docs/DESIGN.md, fact 6: FakeTensor is not a foreach type, so optimizers
                 # would take the single-tensor path a real GPU never takes.
                 p.set(_optim, "_foreach_supported_types", list(_optim._foreach_supported_types) + [FakeTensor])
-            self._fake = FakeMode(allow_non_fake_inputs=True)
+            self._fake = FakeMode(self.shortcuts, allow_non_fake_inputs=True)
             self._fake.__enter__()
             self._mode = _DispatchMode(self)
             self._mode.__enter__()
@@ -158,7 +204,7 @@ class VirtualGPU:
 
     # --- helpers used by the simulator
     def materialize(self, module: torch.nn.Module) -> torch.nn.Module:
-        """Move a meta-device module onto the virtual device (DESIGN fact 3)."""
+        """Move a meta-device module onto the virtual device (docs/DESIGN.md, fact 3)."""
         # to_empty swaps meta parameters for new ones per module, which unties
         # shared weights (tied embeddings); tie them again as they were.
         shared: dict[int, list[tuple[torch.nn.Module, str]]] = {}
@@ -199,13 +245,35 @@ class VirtualGPU:
         torch.set_autocast_enabled(dev, True)
         torch.set_autocast_dtype(dev, dtype)
 
+    @contextlib.contextmanager
+    def autocasting(self, dtype: torch.dtype | None) -> Iterator[None]:
+        """``autocast(dtype)`` for the block (nothing when ``dtype`` is None), then off again."""
+        if dtype is None:
+            yield
+            return
+        self.autocast(dtype)
+        try:
+            yield
+        finally:
+            self.autocast(None)
+
+    @contextlib.contextmanager
+    def allowing_item(self) -> Iterator[None]:
+        """``.item()`` answers the steady state inside the block: the optimizer step and GradScaler read
+        step counters and found_inf, which batchfit drives itself."""
+        self._allow_item = True
+        try:
+            yield
+        finally:
+            self._allow_item = False
+
     def _scalar(self, t: torch.Tensor):
         """``.item()`` on a fake tensor: allowed only where batchfit drives it."""
         const = getattr(t, "constant", None)
         if const is not None:
             with no_dispatch():  # a real tensor: read it without converting it to a fake one
                 return const.item()
-        if self.allow_item:
+        if self._allow_item:
             # GradScaler's found_inf (0: no overflow, the steady state) and
             # optimizer step counters (>= 1 once a step has run).
             return 0 if t.is_floating_point() and t.device.type != "cpu" else 1

@@ -32,7 +32,9 @@ holding one of its holders has run.
 
 Known limitations: hooks registered on nodes (``grad_fn.register_hook``,
 ``register_prehook``, module full backward hooks) and engine callbacks
-(``queue_callback``) are not run; ``SimulationContext`` reports them.
+(``queue_callback``) are not run. Module backward hooks are reported in the trace's
+``unsupported`` list (``estimator.simulate.record._unsupported_hooks``); hooks on nodes and
+engine callbacks are not detected.
 """
 
 from __future__ import annotations
@@ -271,12 +273,13 @@ class Engine:
     reproduces it on real CUDA tensors, which is what a prediction wants.
     """
 
-    def __init__(self, saved: SavedTensors, hooks: TensorHooks, subclass_like: bool = False) -> None:
+    def __init__(self, saved: SavedTensors, hooks: TensorHooks, subclass_like: bool = False,
+                 on_backward_end: Callable[[], None] | None = None) -> None:
         self.saved = saved
         self.hooks = hooks
         self.subclass_like = subclass_like
         self.node_stack: list[Any] = []
-        self.on_backward_end: Callable[[], None] | None = None
+        self.on_backward_end = on_backward_end  # called when a top-level backward finishes
         self._ref_base = _refcount_baseline()
         self._graph_seqs: list[set[int]] = []
 

@@ -1,7 +1,7 @@
 """The largest batch that fits, and the batch to recommend.
 
 ``max_batch`` searches any monotone probe: replays of the affine trace
-(estimator/profile.py), or full simulations when the step is not affine in
+(estimator/plan/affine.py), or full simulations when the step is not affine in
 the batch. Secant steps on the allocated peak find the neighbourhood of the
 answer, bisection pins it.
 """
@@ -9,7 +9,6 @@ answer, bisection pins it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 MAX_BATCH = 2**20
 # Kept free besides the catalog's CUDA context: published context sizes for
@@ -161,90 +160,19 @@ def recommended(max_size: int | None, align: bool = True) -> int | None:
     return aligned if (max_size - aligned) / max_size < ALIGNMENT_MAX_COST else max_size
 
 
-# --- what to train with -------------------------------------------------------
+def max_fitting(fits: Callable[[int], bool], limit: int) -> int | None:
+    """The largest ``n`` in [1, limit] that ``fits``, by bisection (``fits`` monotone); None if not even 1.
 
-# Model FLOPs utilization a well-tuned training step reaches: PaLM reports 46%
-# (Chowdhery et al. 2022, table 3), GPT-3-style dense training 30-50%
-# (Narayanan et al. 2021); 0.4 unless the caller knows better.
-DEFAULT_EFFICIENCY = 0.4
-
-
-@dataclass(frozen=True)
-class AccumulationPlan:
-    """micro_batch x steps x ranks = global_batch (>= the target, equal when it divides)."""
-
-    micro_batch: int
-    steps: int
-    ranks: int
-    global_batch: int
-
-
-def accumulation_plan(target: int, max_micro: int, ranks: int = 1) -> AccumulationPlan:
-    """Fewest accumulation steps with a micro-batch no larger than ``max_micro``.
-
-    >>> accumulation_plan(1024, max_micro=100, ranks=4)
-    AccumulationPlan(micro_batch=64, steps=4, ranks=4, global_batch=1024)
+    >>> max_fitting(lambda n: n <= 300, 1024)
+    300
     """
-    per_rank = -(-target // ranks)
-    fewest = -(-per_rank // max_micro)
-    for steps in range(fewest, 2 * fewest + 1):  # an exact split, if one costs at most 2x the steps
-        if per_rank % steps == 0:
-            micro = per_rank // steps
-            return AccumulationPlan(micro, steps, ranks, micro * steps * ranks)
-    micro = -(-per_rank // fewest)  # else round the global batch up
-    return AccumulationPlan(micro, fewest, ranks, micro * fewest * ranks)
-
-
-@dataclass(frozen=True)
-class LearningRate:
-    rule: str
-    lr: float
-    warmup: str
-    why: str
-
-
-def lr_advice(optimizer: str, base_lr: float, base_batch: int, batch: int) -> LearningRate:
-    """The learning rate for ``batch`` from one tuned at ``base_batch``.
-
-    SGD: the linear scaling rule with gradual warm-up (Goyal et al. 2017);
-    the Adam family: square-root scaling (Hoffer et al. 2017; Malladi et al.
-    2022 derive it for adaptive methods).
-    """
-    k = batch / base_batch
-    if optimizer in ("sgd", "rmsprop"):
-        return LearningRate("linear", base_lr * k, "gradual warm-up: ramp linearly from the base LR to this one over the first 5 epochs",
-                            f"batch x{k:g}: gradient noise falls as 1/batch, so the step grows with it "
-                            "(Goyal et al. 2017, valid up to ~8k for ResNet-50)")
-    return LearningRate("sqrt", base_lr * k ** 0.5, "keep the base recipe's warm-up, at least 1% of the steps",
-                        f"batch x{k:g}: adaptive optimizers normalize the gradient, the noise scale grows as "
-                        "sqrt(batch) (Hoffer et al. 2017; Malladi et al. 2022)")
-
-
-def step_seconds(flops: int, peak_tflops: float, efficiency: float = DEFAULT_EFFICIENCY) -> float | None:
-    """Seconds per optimizer step: the step's FLOPs at ``efficiency`` of the card's peak."""
-    if peak_tflops <= 0:
-        return None
-    return flops / (peak_tflops * 1e12 * efficiency)
-
-
-def curve_batches(start: int, best: int, points: int = 10) -> list[int]:
-    """About ``points`` batch sizes (at most 2 more) from ``start`` to ``best``, both ends included.
-
-    Powers of two, and 3 x 2^k as well when powers alone give fewer than
-    ``points``: the batch sizes people train with, and the same on every card
-    (one replay of a shared trace serves them all). Thinned evenly when there
-    are more than ``points + 2``; none within 10% below ``best``.
-
-    >>> curve_batches(1, 681)
-    [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 681]
-    """
-    if best <= start or points <= 1:
-        return [best]
-    top = best / 1.1
-    grid = sorted({start} | {2**k for k in range(best.bit_length()) if start < 2**k < top})
-    if len(grid) + 1 < points:
-        grid = sorted(set(grid) | {3 * 2**k for k in range(best.bit_length()) if start < 3 * 2**k < top})
-    grid.append(best)
-    if len(grid) > points + 2:
-        grid = sorted({grid[round(i * (len(grid) - 1) / (points - 1))] for i in range(points)})
-    return grid
+    if fits(limit):
+        return limit
+    lo, hi = 0, limit
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo or None

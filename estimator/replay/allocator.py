@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
 from estimator.errors import ReplayError
+from estimator.trace import SOFT_CATEGORIES, Category, Trace
 
 KMIN_BLOCK_SIZE = 512  # kMinBlockSize: all sizes are rounded to at least 512 bytes
 KSMALL_SIZE = 1048576  # kSmallSize: largest "small" allocation is 1 MiB
@@ -52,9 +53,8 @@ KLARGE_BUFFER = 20971520  # kLargeBuffer: "large" allocations may be packed in 2
 KMIN_LARGE_ALLOC = 10485760  # kMinLargeAlloc: allocations between 1 and 10 MiB may use kLargeBuffer
 KROUND_LARGE = 2097152  # kRoundLarge: round up large allocations to 2 MiB
 EXPANDABLE_PAGE = 2097152  # ExpandableSegment maps 2 MiB pages (segment_size_ for the large pool)
-CONV_WORKSPACE = "conv_workspace"  # cuDNN's per-call workspace (virtual_gpu/cudnn.py)
-SOFT_CATEGORIES = frozenset({CONV_WORKSPACE})  # skipped when they cannot be allocated
-EMPTY_CACHE = "empty_cache"  # an allocation of this category is a torch.cuda.empty_cache() call
+CONV_WORKSPACE = Category.CONV_WORKSPACE  # cuDNN's per-call workspace (simulate/virtual_gpu/cudnn.py)
+EMPTY_CACHE = Category.EMPTY_CACHE  # an allocation of this category is a torch.cuda.empty_cache() call
 
 
 class Event(NamedTuple):
@@ -64,6 +64,12 @@ class Event(NamedTuple):
     key: int
     nbytes: int
     category: str = ""
+
+
+def trace_events(trace: Trace) -> list[Event]:
+    """A trace's events with each allocation's bytes and category, as ``replay`` takes them."""
+    allocs = trace.allocations
+    return [Event(a, k, allocs[k].nbytes, allocs[k].category) for a, k in trace.events]
 
 
 @dataclass(frozen=True)
@@ -80,6 +86,9 @@ class AllocatorConfig:
     garbage_collection_threshold: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.garbage_collection_threshold != 0.0:
+            raise ReplayError(f"garbage_collection_threshold: got {self.garbage_collection_threshold}; expected 0.0 "
+                              "(the allocator's garbage collection of cached blocks is not modelled)")
         if self.capacity is not None and self.capacity < 0:
             raise ReplayError(f"capacity: got {self.capacity}; expected bytes >= 0 or None")
         if self.max_split_size is not None and self.max_split_size < KLARGE_BUFFER:

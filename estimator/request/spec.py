@@ -1,4 +1,4 @@
-"""The estimate request and response of ../shared/API.md, with their limits.
+"""The estimate request (docs/API.md; the service serves its schema at ``GET /docs``), with its limits.
 
 >>> req = parse_request({"model": {"source": "torchvision", "name": "resnet18"}, "gpus": ["T4-16GB"]})
 >>> req.training.precision, req.gpus
@@ -17,15 +17,18 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from estimator.errors import SpecError
+from estimator.gpus import DEFAULT_CONTEXT_BYTES
+from estimator.plan.advice import DEFAULT_EFFICIENCY
+from estimator.plan.search import DEFAULT_HEADROOM, DEFAULT_RESERVE_BYTES
+from estimator.plan.strategy import ConfirmMode
+from estimator.request.limits import (
+    MAX_BATCH, MAX_CARDS, MAX_CHANNELS, MAX_FRAMES, MAX_OBJECTS, MAX_SEQ_LEN, MAX_SIDE, MIN_SIDE,
+)
+from estimator.request.recipe import Checkpointing, OptimizerName, Precision, ZeroGradAt
 
-MAX_BATCH = 2**20
-MAX_SEQ_LEN = 2**20
-# Sane inputs: up to 64 channels and 8192 px a side (whole-slide tiles, 8K
-# frames); a 16x16 px minimum lets every torchvision/timm stem run.
-MAX_CHANNELS = 64
-MIN_SIDE, MAX_SIDE = 16, 8192
-MAX_FRAMES = 512
-TASKS = ("causal-lm", "masked-lm", "sequence-classification", "seq2seq-lm", "image-classification")
+# The heads a transformers model can train, and its attention kernels.
+Task = Literal["causal-lm", "masked-lm", "sequence-classification", "seq2seq-lm", "image-classification"]
+AttnImplementation = Literal["eager", "sdpa"]
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
 # JSON-only kwargs: no callables, no objects, so nothing in a request is code.
@@ -53,9 +56,8 @@ class TransformersModel(BaseModel):
     preset: str | None = Field(None, description="a config shipped with batchfit", examples=["bert-large-uncased"])
     config: dict[str, JSONValue] | None = Field(
         None, description="an inline config.json; overrides the preset's keys or stands alone (needs model_type)")
-    task: Literal["causal-lm", "masked-lm", "sequence-classification", "seq2seq-lm", "image-classification"] | None = (
-        Field(None, description="the head to train; default: the preset's own task"))
-    attn_implementation: Literal["eager", "sdpa"] = Field("sdpa", description="transformers' attention kernel")
+    task: Task | None = Field(None, description="the head to train; default: the preset's own task")
+    attn_implementation: AttnImplementation = Field("sdpa", description="transformers' attention kernel")
 
 
 class CustomModel(BaseModel):
@@ -76,7 +78,7 @@ class InputSpec(BaseModel):
     num_frames: int | None = Field(None, ge=1, le=MAX_FRAMES, description="frames per clip for video models")
     seq_len: int | None = Field(None, ge=1, le=MAX_SEQ_LEN, description="tokens per sample for text models")
     target_seq_len: int | None = Field(None, ge=1, le=MAX_SEQ_LEN, description="decoder tokens for seq2seq")
-    num_objects: int | None = Field(None, ge=1, le=1024, description="annotated objects per image for detection")
+    num_objects: int | None = Field(None, ge=1, le=MAX_OBJECTS, description="annotated objects per image for detection")
 
     @field_validator("image_size")
     @classmethod
@@ -95,7 +97,7 @@ class InputSpec(BaseModel):
 
 class OptimizerSpec(BaseModel):
     model_config = _STRICT
-    name: Literal["sgd", "adam", "adamw", "adagrad", "rmsprop", "adafactor"] = "adamw"
+    name: OptimizerName = "adamw"
     foreach: bool | None = Field(None, description="null: PyTorch's default on a real GPU")
     fused: bool | None = None
     momentum: float | None = Field(None, ge=0.0)
@@ -110,12 +112,12 @@ class OptimizerSpec(BaseModel):
 
 class TrainingSpec(BaseModel):
     model_config = _STRICT
-    precision: Literal["fp32", "amp-fp16", "amp-bf16", "bf16"] = "fp32"
+    precision: Precision = "fp32"
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
-    gradient_checkpointing: bool | Literal["reentrant", "non-reentrant"] = False
+    gradient_checkpointing: Checkpointing = False
     grad_accumulation_steps: int = Field(1, ge=1, le=4096)
     zero_grad_set_to_none: bool = True
-    zero_grad_at: Literal["step-start", "after-forward"] = Field(
+    zero_grad_at: ZeroGradAt = Field(
         "step-start", description="where optimizer.zero_grad() runs: 'step-start' (before the forward; HF "
         "Trainer, timm) or 'after-forward' (between the loss and backward: Lightning's automatic optimization, "
         "many scripts), which keeps the previous step's gradients alive through the forward")
@@ -129,20 +131,20 @@ class CustomGPUSpec(BaseModel):
     name: str = Field(min_length=1, max_length=64)
     memory_bytes: int = Field(ge=2**20, le=2**44, description="capacity as nvidia-smi reports it")
     compute_capability: str = Field("8.0", pattern=r"^\d{1,2}\.\d$", examples=["8.0"])
-    context_bytes: int | None = Field(None, ge=0, le=2**36, description="CUDA context; default 450 MiB")
+    context_bytes: int | None = Field(None, ge=0, le=2**36, description=f"CUDA context; default {DEFAULT_CONTEXT_BYTES // 2**20} MiB")
 
 
 class PlannerSpec(BaseModel):
     model_config = _STRICT
     align: bool = Field(True, description="round the recommendation down to a multiple of 8 when it costs < 10%")
-    confirm: Literal["top", "every-card", "none"] | bool = Field(
-        "top", description="how the affine trace's answers are confirmed by full simulations: 'top' (one per "
-        "group of cards sharing a trace, just past the group's largest max, must equal the synthesized step "
-        "exactly), 'every-card' (at every card's max and max + 1; true means this), 'none' (the fit is checked "
-        "at one more batch only; false means this)")
-    reserve_bytes: int = Field(256 * 2**20, ge=0, le=2**40,
+    confirm: ConfirmMode = Field(
+        ConfirmMode.TOP, strict=False, description="how the affine trace's answers are confirmed by full "
+        "simulations: 'top' (one per group of cards sharing a trace, just past the group's largest max, must "
+        "equal the synthesized step exactly), 'every-card' (at every card's max and max + 1), 'none' (the fit "
+        "is checked at one more batch only)")
+    reserve_bytes: int = Field(DEFAULT_RESERVE_BYTES, ge=0, le=2**40,
                                description="kept free on every card besides the CUDA context (safety margin)")
-    headroom: float = Field(0.10, ge=0.0, lt=1.0, examples=[0.10], description=(
+    headroom: float = Field(DEFAULT_HEADROOM, ge=0.0, lt=1.0, examples=[0.10], description=(
         "recommended_batch_size is the largest batch that fits with its device peak (reserved + CUDA context) "
         "at most (1 - headroom) of the usable memory (capacity - CUDA context - reserve_bytes); max_batch_size "
         "stays the simulator's exact answer. 0.10 covers the largest error seen against published runs (+11 %)"))
@@ -154,7 +156,7 @@ class PlannerSpec(BaseModel):
     base_batch: int | None = Field(None, ge=1, le=2**30)
     dataset_size: int | None = Field(None, ge=1, le=2**48, description="samples per epoch")
     max_epoch_seconds: float | None = Field(None, gt=0)
-    efficiency: float = Field(0.4, gt=0, le=1, description="fraction of the card's peak FLOP/s a step reaches")
+    efficiency: float = Field(DEFAULT_EFFICIENCY, gt=0, le=1, description="fraction of the card's peak FLOP/s a step reaches")
     max_seq_len: bool = Field(False, description="text models: also search the largest seq_len that fits at "
                               "batch_size (or the smallest batch); full simulations, slower")
 
@@ -165,106 +167,11 @@ class EstimateRequest(BaseModel):
     input: InputSpec = Field(default_factory=InputSpec)
     training: TrainingSpec = Field(default_factory=TrainingSpec)
     gpus: list[Union[str, CustomGPUSpec]] | None = Field(
-        None, min_length=1, max_length=64, description="catalog names or custom cards; null: the whole catalog")
+        None, min_length=1, max_length=MAX_CARDS, description="catalog names or custom cards; null: the whole catalog")
     batch_size: int | None = Field(None, ge=1, le=MAX_BATCH, description="also report memory at exactly this batch")
     planner: PlannerSpec = Field(default_factory=PlannerSpec)
     validate_step: bool = Field(False, alias="validate", description="on a GPU node: also run one real CUDA step "
                                 "at the first card's max batch and report it measured (503 without a GPU)")
-
-
-# --- response ---------------------------------------------------------------
-
-class MemoryAtBatch(BaseModel):
-    batch_size: int
-    allocated_peak_bytes: int = Field(description="torch.cuda.max_memory_allocated()")
-    reserved_peak_bytes: int = Field(description="torch.cuda.max_memory_reserved()")
-    device_peak_bytes: int = Field(description="nvidia-smi: reserved + CUDA context")
-    fits: bool
-    peak_phase: str = Field("", description="phase of the step where the allocated peak falls")
-    peak_module: str = Field("", description="module running at the allocated peak")
-
-
-class CurvePoint(BaseModel):
-    batch_size: int
-    device_peak_bytes: int
-    step_seconds: float | None = None
-    epoch_seconds: float | None = None
-    meets_epoch_limit: bool | None = Field(None, description="epoch_seconds <= planner.max_epoch_seconds")
-
-
-class AccumulationOut(BaseModel):
-    micro_batch: int
-    steps: int
-    ranks: int
-    global_batch: int
-
-
-class LearningRateOut(BaseModel):
-    rule: str
-    lr: float
-    warmup: str
-    why: str
-
-
-class GPUResult(BaseModel):
-    gpu: str
-    capacity_bytes: int = Field(description="the card's memory as nvidia-smi reports it")
-    min_batch_size: int = Field(1, description="smallest batch that trains (2 when batch norm sees 1x1 maps)")
-    max_batch_size: int | None = Field(description="largest batch whose simulated step never fails; null: not even 1")
-    recommended_batch_size: int | None = Field(description="the largest batch (aligned, see planner.align) "
-                                               "that fits with planner.headroom of the usable memory kept free; "
-                                               "null when not even the smallest batch does")
-    search: str = Field("", description="how the max was found: 'affine, checked at batch N' (replays of the "
-                        "synthesized trace, which a full simulation at N reproduced exactly), 'affine, confirmed' "
-                        "(full simulations at max and max + 1 agree), 'affine' (fit checked at a small batch), "
-                        "or 'full' (full simulations only)")
-    memory: MemoryAtBatch
-    max_memory: MemoryAtBatch | None = Field(None, description="memory at max_batch_size")
-    recommended_memory: MemoryAtBatch | None = Field(None, description="memory at recommended_batch_size with "
-                                                     "the allocator held to the headroom (an allocator left free "
-                                                     "caches more, as it does at the max)")
-    curve: list[CurvePoint] = Field(default_factory=list, description="device peak at batch sizes up to the max")
-    step_seconds: float | None = Field(None, description="one optimizer step at the recommended batch")
-    epoch_seconds: float | None = Field(None, description="one epoch of dataset_size at the recommended batch")
-    meets_epoch_limit: bool | None = None
-    max_tokens_per_batch: int | None = Field(None, description="text models: max_batch_size x seq_len")
-    max_seq_len: int | None = Field(None, description="text models, when planner.max_seq_len: the largest "
-                                    "seq_len that fits at batch_size (or the smallest batch)")
-    accumulation: AccumulationOut | None = None
-    learning_rate: LearningRateOut | None = None
-
-
-class BreakdownOut(BaseModel):
-    parameters: int = 0
-    gradients: int = 0
-    optimizer_state: int = 0
-    activations: int = 0
-    temporaries: int = 0
-    inputs: int = 0
-    buffers: int = 0
-    workspace: int = 0
-    batch_size: int = Field(0, description="the batch this breakdown is for")
-
-
-class Provenance(BaseModel):
-    batchfit: str
-    torch: str
-    catalog: str
-    seconds: float
-    simulations: int = Field(description="full training-step simulations run")
-
-
-class EstimateResponse(BaseModel):
-    results: list[GPUResult]
-    breakdown: BreakdownOut = Field(description="bytes live at the allocated peak, by category")
-    per_sample_bytes: int = Field(description="allocated peak growth per sample, first card (line through the "
-                                  "peaks at the smallest batch + 1 and at its max)")
-    fixed_bytes: int = Field(description="that line's value at batch 0")
-    parameter_count: int = 0
-    flops_per_sample: int = Field(0, description="forward + backward FLOPs per sample (torch.utils.flop_counter)")
-    assumptions: list[str] = Field(default_factory=list)
-    warnings: list[str] = Field(default_factory=list)
-    provenance: Provenance
 
 
 # --- the seam -----------------------------------------------------------------
@@ -339,8 +246,8 @@ def _expected(err: dict) -> str:
     if kind == "missing":
         return "a value (the field is required)"
     if kind == "extra_forbidden":
-        return "no such field (check the spelling against API.md)"
-    if kind == "literal_error":
+        return "no such field (the request's fields are listed at GET /docs)"
+    if kind in ("literal_error", "enum"):
         return f"one of {ctx.get('expected', '')}"
     if kind in ("greater_than_equal", "less_than_equal", "greater_than", "less_than"):
         return msg.replace("Input should be ", "a number ")
@@ -353,3 +260,11 @@ def _expected(err: dict) -> str:
     if kind == "model_type" or kind == "dict_type":
         return "an object {name, memory_bytes, compute_capability}" if "CustomGPUSpec" in err["loc"] else "an object"
     return msg.replace("Input should be ", "")
+
+
+def describe_validation_error(err: dict[str, Any]) -> SpecError:
+    """One pydantic error (FastAPI's, its location under ``body``) as a ``SpecError``: field, value, expected."""
+    loc = tuple(err["loc"])
+    loc = loc[1:] if loc and loc[0] == "body" else loc
+    value = None if err["type"] == "missing" else err.get("input")
+    return SpecError(_path(loc) or "(body)", value, _expected(err))

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from estimator.allocator import EMPTY_CACHE
+from estimator.replay.allocator import EMPTY_CACHE
 
 WORKSPACE = "workspace"
 COLUMNS = "columns"  # the slow kernels' im2col buffer: a plain temporary, not one cuDNN can do without

@@ -5,12 +5,15 @@ answers True inside the virtual GPU), bypasses its dispatch cache where a
 cache hit would allocate differently, and takes three shortcuts past torch's
 Python fake kernels that make a fresh simulation about twice as fast: the
 optimizers' elementwise ``_foreach_*`` ops, cuDNN batch norm's outputs, and
-cheaper dispatch-cache keys. Each shortcut has a switch here;
+cheaper dispatch-cache keys. Each shortcut has a switch (``Shortcuts``);
 tests/test_fast_paths.py turns each off and compares the traces allocation
 by allocation.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch._prims_common import is_non_overlapping_and_dense_or_false as is_non_overlapping_and_dense
@@ -22,10 +25,20 @@ _FOREACH_ELEMENTWISE = frozenset({
     "add", "sub", "mul", "div", "addcmul", "addcdiv", "lerp", "sqrt", "neg", "abs", "reciprocal", "exp",
     "sign", "maximum", "minimum", "clamp_min", "clamp_max", "zero", "copy",
 })
-# Switches for tests: whether FakeMode builds its dispatch-cache keys the fast way, and makes
-# cuDNN batch norm's outputs itself.
-FAST_CACHE_KEYS = True
-FAST_BATCH_NORM = True
+
+
+@dataclass(frozen=True)
+class Shortcuts:
+    """Which shortcuts past torch's Python fake kernels ``FakeMode`` takes (all, unless a test compares).
+
+    ``foreach``: the optimizers' elementwise ``_foreach_*`` ops; ``batch_norm``: cuDNN batch norm's
+    outputs; ``cache_keys``: cheaper dispatch-cache keys.
+    """
+
+    foreach: bool = True
+    batch_norm: bool = True
+    cache_keys: bool = True
+
 _CUDNN_BN_BACKWARD = torch.ops.aten.cudnn_batch_norm_backward.default
 _BATCH_NORM_OPS = frozenset({torch.ops.aten.cudnn_batch_norm.default, _CUDNN_BN_BACKWARD})
 
@@ -44,17 +57,21 @@ class FakeMode(FakeTensorMode):
     """FakeTensorMode that never initializes a device, even though
     ``torch.cuda.is_available()`` answers True inside the virtual GPU."""
 
+    def __init__(self, shortcuts: Shortcuts | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.shortcuts = shortcuts or Shortcuts()
+
     @property
     def avoid_device_init(self) -> bool:
         return True
 
     def _cached_dispatch_impl(self, func, types, args, kwargs):
-        if func in _BATCH_NORM_OPS and FAST_BATCH_NORM:
+        if func in _BATCH_NORM_OPS and self.shortcuts.batch_norm:
             out = self._cudnn_batch_norm(func, args, kwargs)
             if out is not NotImplemented:
                 return out
         if func.__name__.startswith("_foreach_"):
-            out = self._foreach_elementwise(func, args, kwargs)
+            out = self._foreach_elementwise(func, args, kwargs) if self.shortcuts.foreach else NotImplemented
             if out is not NotImplemented:
                 return out
             return self._dispatch_impl(func, types, args, kwargs)
@@ -126,7 +143,7 @@ class FakeMode(FakeTensorMode):
         becomes one tuple of the metadata that decides an op's outputs (shape, strides, storage,
         flags; the memory format torch also records follows from the strides). Everything else
         goes through torch's own translation."""
-        if not FAST_CACHE_KEYS or isinstance(args, dict):
+        if not self.shortcuts.cache_keys or isinstance(args, dict):
             return super()._prep_args_for_hash(result, args, state, id_hashed_objects)
         if isinstance(args, (list, tuple)):
             result.append(type(args))

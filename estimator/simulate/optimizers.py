@@ -12,7 +12,7 @@ from collections.abc import Iterable
 import torch
 
 from estimator.errors import SpecError
-from estimator.recipe import Recipe
+from estimator.request.recipe import Recipe
 
 _CLASSES = {
     "sgd": torch.optim.SGD,

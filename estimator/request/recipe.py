@@ -2,22 +2,30 @@
 
 >>> Recipe(precision="amp-bf16", optimizer="adamw").autocast_dtype
 torch.bfloat16
+
+Torch is imported only when a dtype is asked for: the request schema uses
+this module's vocabularies where torch is not loaded (the service's API process).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
-from torch.utils._pytree import tree_map_only
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from estimator.errors import SpecError
 
-PRECISIONS = ("fp32", "amp-fp16", "amp-bf16", "bf16")
-OPTIMIZERS = ("sgd", "adam", "adamw", "adagrad", "rmsprop", "adafactor")
+if TYPE_CHECKING:
+    import torch
+
+# Each vocabulary once: the request schema (estimator/request/spec.py) uses these aliases.
+Precision = Literal["fp32", "amp-fp16", "amp-bf16", "bf16"]
+OptimizerName = Literal["sgd", "adam", "adamw", "adagrad", "rmsprop", "adafactor"]
+Checkpointing = bool | Literal["reentrant", "non-reentrant"]
+ZeroGradAt = Literal["step-start", "after-forward"]
+PRECISIONS: tuple[str, ...] = get_args(Precision)
+OPTIMIZERS: tuple[str, ...] = get_args(OptimizerName)
 CHECKPOINTING = (False, True, "reentrant", "non-reentrant")
-ZERO_GRAD_AT = ("step-start", "after-forward")
+ZERO_GRAD_AT: tuple[str, ...] = get_args(ZeroGradAt)
 
 
 @dataclass(frozen=True)
@@ -65,10 +73,14 @@ class Recipe:
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
+        import torch
+
         return {"amp-fp16": torch.float16, "amp-bf16": torch.bfloat16}.get(self.precision)
 
     @property
     def param_dtype(self) -> torch.dtype:
+        import torch
+
         return torch.bfloat16 if self.precision == "bf16" else torch.float32
 
     @property
@@ -93,6 +105,8 @@ class Recipe:
         """
         if self.precision != "bf16":
             return inputs
+        import torch
+        from torch.utils._pytree import tree_map_only
 
         def cast(part: Any) -> Any:
             return tree_map_only(torch.Tensor, lambda t: t.to(self.param_dtype) if t.is_floating_point() else t, part)

@@ -9,7 +9,7 @@ any difference (ops that change with the batch, sizes not affine) and the
 planner falls back to full simulations.
 
 >>> profile = fit([(1, t1), (2, t2)], check=(5, t5))              # doctest: +SKIP
->>> profile.events_at(64)[:2]
+>>> profile.events_at(64, workspace=8 * 2**20)[:2]
 
 The cuBLAS workspace is kept symbolic (category ``workspace``) so one
 profile serves cards whose workspace differs.
@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from estimator.allocator import SOFT_CATEGORIES, Event
-from estimator.trace import Trace
+from estimator.replay.allocator import Event
+from estimator.trace import SOFT_CATEGORIES, Category, Trace
 
 SCHEMA_VERSION = 2  # 2: cuDNN workspaces (soft allocations), empty_cache, capability thresholds
 
@@ -40,7 +40,7 @@ class AffineTrace:
     min_batch: int = 1
 
     def nbytes(self, i: int, batch: int, workspace: int) -> int:
-        if self.categories[i] == "workspace":
+        if self.categories[i] == Category.WORKSPACE:
             return workspace
         return self.const[i] + self.per_sample[i] * batch
 
@@ -57,7 +57,7 @@ class AffineTrace:
 
     @cached_property
     def _workspaces(self) -> list[int]:
-        return [i for i, c in enumerate(self.categories) if c == "workspace"]
+        return [i for i, c in enumerate(self.categories) if c == Category.WORKSPACE]
 
     @cached_property
     def _fronts(self) -> dict[int, list[tuple[int, int]]]:
@@ -115,7 +115,7 @@ class AffineTrace:
             return False
         return all(
             a.category == self.categories[i]
-            and (a.category == "workspace" or a.nbytes == self.const[i] + self.per_sample[i] * batch)
+            and (a.category == Category.WORKSPACE or a.nbytes == self.const[i] + self.per_sample[i] * batch)
             for i, a in enumerate(trace.allocations)
         )
 
@@ -139,7 +139,7 @@ def fit(points: list[tuple[int, Trace]], check: tuple[int, Trace] | None = None)
         return None
     const, per_sample = [], []
     for x, y in zip(t1.allocations, t2.allocations):
-        if x.category == "workspace":
+        if x.category == Category.WORKSPACE:
             const.append(0)
             per_sample.append(0)
             continue
@@ -159,7 +159,7 @@ def fit(points: list[tuple[int, Trace]], check: tuple[int, Trace] | None = None)
 def concrete(trace: Trace) -> AffineTrace:
     """A trace as an affine trace with no per-sample part (the step at one batch size)."""
     allocs = trace.allocations
-    return AffineTrace([0 if a.category == "workspace" else a.nbytes for a in allocs], [0] * len(allocs),
+    return AffineTrace([0 if a.category == Category.WORKSPACE else a.nbytes for a in allocs], [0] * len(allocs),
                        [a.category for a in allocs], list(trace.events), [a.phase for a in allocs],
                        [a.module for a in allocs])
 
@@ -168,55 +168,3 @@ def from_json(doc: dict[str, Any]) -> AffineTrace:
     return AffineTrace(list(doc["const"]), list(doc["per_sample"]), list(doc["categories"]),
                        [(bool(a), int(k)) for a, k in doc["events"]], list(doc.get("phases", [])),
                        list(doc.get("modules", [])), int(doc.get("min_batch", 1)))
-
-
-@dataclass
-class PortableProfile:
-    """Everything ``batchfit estimate --profile`` needs, without the model's code.
-
-    ``steps`` maps an attention-backend signature (the backends the step's
-    SDPA calls get on a card, comma-joined; empty without SDPA) to the
-    affine trace for batches >= ``start + 1``; ``first_steps`` holds the
-    step at ``start`` itself, which may take other paths.
-    """
-
-    request: dict[str, Any]
-    model: str
-    parameter_count: int
-    start: int
-    flops: dict[str, tuple[int, int]]  # per backend signature: FLOPs at start + 1 and start + 2
-    sdpa_calls: list[dict[str, Any]]
-    steps: dict[str, AffineTrace]
-    first_steps: dict[str, AffineTrace]
-    assumptions: list[str]
-    versions: dict[str, str]
-    capability_thresholds: list[tuple[int, int]] = field(default_factory=list)  # part of the steps' keys
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "schema": "batchfit.profile", "version": SCHEMA_VERSION, "versions": self.versions,
-            "request": self.request, "model": self.model, "parameter_count": self.parameter_count,
-            "start": self.start, "flops": {k: list(v) for k, v in self.flops.items()}, "sdpa_calls": self.sdpa_calls,
-            "assumptions": self.assumptions,
-            "capability_thresholds": [list(t) for t in self.capability_thresholds],
-            "steps": {k: v.to_json() for k, v in self.steps.items()},
-            "first_steps": {k: v.to_json() for k, v in self.first_steps.items()},
-        }
-
-    @classmethod
-    def from_json(cls, doc: Any) -> "PortableProfile":
-        from estimator.errors import SpecError
-
-        if not isinstance(doc, dict) or doc.get("schema") != "batchfit.profile":
-            raise SpecError("--profile", type(doc).__name__, "a batchfit profile (schema 'batchfit.profile')")
-        if doc.get("version") != SCHEMA_VERSION:
-            raise SpecError("--profile.version", doc.get("version"), f"{SCHEMA_VERSION} (re-run batchfit profile)")
-        try:
-            return cls(doc["request"], doc["model"], int(doc["parameter_count"]), int(doc["start"]),
-                       {k: (int(v[0]), int(v[1])) for k, v in doc["flops"].items()}, list(doc["sdpa_calls"]),
-                       {k: from_json(v) for k, v in doc["steps"].items()},
-                       {k: from_json(v) for k, v in doc["first_steps"].items()},
-                       list(doc["assumptions"]), dict(doc["versions"]),
-                       [(int(a), int(b)) for a, b in doc["capability_thresholds"]])
-        except (KeyError, TypeError, ValueError, IndexError) as exc:
-            raise SpecError("--profile", f"{type(exc).__name__}: {exc}", "a complete batchfit profile") from exc

@@ -1,0 +1,52 @@
+"""Build a model on the meta device: every parameter and buffer with its shape and dtype, no memory."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+
+def build_on_meta(factory: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+    """Call ``factory()`` so that every parameter and buffer is on the meta device (docs/DESIGN.md, fact 3).
+
+    Under ``torch.device("meta")`` first. Constructors that compute with
+    tensors (RegNet derives its widths with ``.tolist()``) cannot run there;
+    those run on the CPU with each parameter and buffer moved to meta as it
+    is registered, before any initializer touches it.
+    """
+    try:
+        with torch.device("meta"):
+            return factory()
+    except Exception as first:
+        try:
+            with _register_on_meta():
+                return factory()
+        except Exception:
+            raise first from None
+
+
+@contextlib.contextmanager
+def _register_on_meta() -> Iterator[None]:
+    module = torch.nn.Module
+    register_parameter, register_buffer = module.register_parameter, module.register_buffer
+
+    def parameter_on_meta(self: torch.nn.Module, name: str, param: Any) -> None:
+        if param is not None and param.device.type != "meta":
+            param = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+        register_parameter(self, name, param)
+
+    def buffer_on_meta(self: torch.nn.Module, name: str, tensor: Any, persistent: bool = True) -> None:
+        if tensor is not None:
+            tensor = tensor.to("meta")
+        register_buffer(self, name, tensor, persistent)
+
+    module.register_parameter, module.register_buffer = parameter_on_meta, buffer_on_meta
+    try:
+        yield
+    finally:
+        module.register_parameter, module.register_buffer = register_parameter, register_buffer
+
+

@@ -1,0 +1,52 @@
+"""A parsed request as the layers below take it: a ``Recipe``, the cards, the planner's options."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from estimator.gpus import CATALOG, DEFAULT_CONTEXT_BYTES, GPU, custom_gpu, get_gpu
+from estimator.plan.advice import AdviceOptions
+from estimator.request.recipe import Recipe
+from estimator.request.spec import CustomGPUSpec, EstimateRequest
+
+
+def recipe_of(request: EstimateRequest) -> Recipe:
+    t = request.training
+    return Recipe(
+        precision=t.precision, optimizer=t.optimizer.name, optimizer_kwargs=t.optimizer.kwargs(),
+        gradient_checkpointing=t.gradient_checkpointing, grad_accumulation_steps=t.grad_accumulation_steps,
+        zero_grad_set_to_none=t.zero_grad_set_to_none, zero_grad_at=t.zero_grad_at, cudnn_benchmark=t.cudnn_benchmark,
+    )
+
+
+def cards_of(request: EstimateRequest) -> list[GPU]:
+    """The request's cards (the whole catalog when it names none); a bad name fails here, before any build."""
+    if request.gpus is None:
+        return list(CATALOG.values())
+    cards = []
+    for i, g in enumerate(request.gpus):
+        if isinstance(g, CustomGPUSpec):
+            ctx = g.context_bytes if g.context_bytes is not None else DEFAULT_CONTEXT_BYTES
+            cards.append(custom_gpu(g.name, g.memory_bytes, g.compute_capability, ctx))
+        else:
+            cards.append(get_gpu(g, field=f"gpus[{i}]"))
+    return cards
+
+
+def advice_options(request: EstimateRequest, resolved_input: dict[str, Any]) -> AdviceOptions:
+    plan = request.planner
+    return AdviceOptions(
+        optimizer=request.training.optimizer.name, low_precision=request.training.precision != "fp32",
+        curve_points=plan.curve_points, efficiency=plan.efficiency, ranks=plan.data_parallel_ranks,
+        dataset_size=plan.dataset_size, max_epoch_seconds=plan.max_epoch_seconds,
+        target_global_batch=plan.target_global_batch, base_lr=plan.base_lr, base_batch=plan.base_batch,
+        seq_len=resolved_input.get("seq_len"),  # a profile's input has every field, null ones too
+    )
+
+
+def with_planner(request: EstimateRequest, **changes: Any) -> EstimateRequest:
+    """``request`` with the ``planner`` fields in ``changes`` that are not None replaced."""
+    changes = {k: v for k, v in changes.items() if v is not None}
+    if not changes:
+        return request
+    return request.model_copy(update={"planner": request.planner.model_copy(update=changes)})

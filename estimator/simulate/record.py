@@ -1,0 +1,365 @@
+"""Run training steps on the virtual GPU and record every allocation as a ``Trace``.
+
+>>> trace = record_training(factory, batches, loss_fn, 8, Recipe(), gpu)   # doctest: +SKIP
+>>> trace.allocations[0].category
+<Category.PARAMETER: 'parameter'>
+
+The ``Recorder`` is the virtual GPU's observer, handed to it at
+construction; the loop itself is ``estimator.simulate.step``'s, the one a
+real CUDA or CPU step runs, watched here through ``SimulationHooks``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry as _FLOPS
+
+from estimator.errors import BatchTooSmallError, DataDependentError, SimulationError, SpecError
+from estimator.gpus import GPU
+from estimator.models.meta import build_on_meta
+from estimator.request.recipe import Recipe
+from estimator.simulate.step import BatchFactory, LossFn, ModelFactory, StepHooks, cast_model, prepare, run_steps
+from estimator.simulate.virtual_gpu import Shortcuts, VirtualGPU
+from estimator.simulate.virtual_gpu.cudnn import ASSUMPTION as CUDNN_ASSUMPTION
+from estimator.simulate.virtual_gpu.cudnn import BENCHMARK_ASSUMPTION, COLUMNS, WORKSPACE, ConvWorkspaces
+from estimator.simulate.virtual_gpu.engine import Engine
+from estimator.simulate.virtual_gpu.worst_case import WorstCase
+from estimator.trace import Allocation, Category, Phase, Trace
+
+T = TypeVar("T")
+# Ops that run cuBLAS: the first one on a thread allocates the handle's workspace.
+_CUBLAS_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "_addmm_activation", "addmv", "mv", "_scaled_mm"})
+
+# what each convolution action is in the trace
+_CONV_CATEGORY = {WORKSPACE: Category.CONV_WORKSPACE, COLUMNS: Category.TEMPORARY,
+                  Category.EMPTY_CACHE: Category.EMPTY_CACHE}
+_COUNTED_PHASES = frozenset({Phase.FORWARD, Phase.LOSS, Phase.BACKWARD})
+
+
+class Recorder:
+    """Observes every op on the virtual GPU and records storage lifetimes (the GPU's ``Observer``)."""
+
+    def __init__(self, device_type: str, workspace_bytes: int, convs: ConvWorkspaces | None = None) -> None:
+        self.device_type = device_type
+        self.trace = Trace()
+        self.live: dict[int, int] = {}
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self.phase = Phase.SETUP
+        self.iteration = 0
+        self.module_stack: list[str] = []
+        self.node_modules: dict[int, str] = {}
+        self.workspace_bytes = workspace_bytes
+        self.workspaces: set[str] = set()
+        self.convs = convs
+        self.survivors: set[int] = set()
+        self.iteration_flops: dict[int, int] = {}
+        self.params: list[torch.nn.Parameter] = []  # whose .grad is a gradient when a backward ends
+        self.engine: Engine | None = None
+
+    # --- the Observer protocol (estimator.simulate.virtual_gpu)
+    def attach(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def memory_allocated(self) -> int:
+        return self.live_bytes
+
+    def max_memory_allocated(self) -> int:
+        return self.peak_bytes
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.live_bytes
+
+    def empty_cache(self) -> None:
+        self._transient(0, "torch.cuda.empty_cache", Category.EMPTY_CACHE)
+
+    def backward_end(self) -> None:
+        self.mark((p.grad for p in self.params), Category.GRADIENT)
+
+    def on_op(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None:
+        name = func._schema.name.split("::")[-1]
+        count = _FLOPS.get(func._overloadpacket)
+        if count is not None and self.phase in _COUNTED_PHASES:
+            # torch.utils.flop_counter's formulas (docs/DESIGN.md, fact 8), in this same fake pass
+            self.iteration_flops[self.iteration] = (
+                self.iteration_flops.get(self.iteration, 0) + count(*args, **kwargs, out_val=out))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type == self.device_type:
+                self.track(t, name)
+        cublas = self.workspace_bytes and name in _CUBLAS_OPS
+        conv = self.convs is not None and name.startswith("convolution")
+        if not (cublas or conv):
+            return
+        thread = "backward" if self._in_backward() else "forward"  # handles and caches are per thread
+        if cublas and thread not in self.workspaces:
+            self.workspaces.add(thread)
+            self._alloc(self.workspace_bytes, f"cublas_workspace[{thread}]", Category.WORKSPACE)
+        if conv and self.convs is not None:
+            for kind, nbytes in self.convs.actions(name, args, out, thread):
+                # freed as the call returns: transient, but its block stays cached
+                self._transient(nbytes, f"{kind}[{name}]", _CONV_CATEGORY[kind])
+
+    # --- recording
+    def _in_backward(self) -> bool:
+        return self.engine is not None and bool(self.engine.node_stack)
+
+    def module(self) -> str:
+        if self.engine is not None and self.engine.node_stack:
+            node = self.engine.node_stack[-1]
+            seq = node._sequence_nr() if hasattr(node, "_sequence_nr") else -1
+            return self.node_modules.get(seq, "")
+        return self.module_stack[-1] if self.module_stack else ""
+
+    def _transient(self, nbytes: int, op: str, category: Category) -> None:
+        """An allocation freed right away: a workspace, or an empty_cache call (0 bytes, its category)."""
+        aid = self._alloc(nbytes, op, category)
+        self.trace.events.append((False, aid))
+        self.live_bytes -= nbytes
+
+    def track(self, t: torch.Tensor, op: str) -> None:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key in self.live:
+            return
+        nbytes = storage.nbytes()
+        if nbytes == 0:
+            return  # the caching allocator hands out no block for 0 bytes
+        aid = self._alloc(nbytes, op, Category.UNKNOWN)
+        self.live[key] = aid
+        fin = weakref.finalize(storage, self._free, key, aid)
+        fin.atexit = False
+
+    def _alloc(self, nbytes: int, op: str, category: Category) -> int:
+        aid = len(self.trace.allocations)
+        self.trace.allocations.append(Allocation(nbytes, self.phase, self.module(), op, self.iteration, category))
+        self.trace.events.append((True, aid))
+        self.live_bytes += nbytes
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes = self.live_bytes
+        return aid
+
+    def _free(self, key: int, aid: int) -> None:
+        if self.live.get(key) == aid:
+            del self.live[key]
+        self.trace.events.append((False, aid))
+        self.live_bytes -= self.trace.allocations[aid].nbytes
+
+    def mark(self, tensors: Any, category: Category) -> None:
+        """Give the storages of ``tensors`` a category (parameters, grads, states)."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.device.type == self.device_type:
+                aid = self.live.get(t.untyped_storage()._cdata)
+                if aid is not None:
+                    self.trace.allocations[aid].category = category
+
+    def finish(self) -> Trace:
+        """Categorize what is left: activations survive until backward, the rest is temporary.
+
+        Runs of consecutive frees are put in allocation order: some bursts
+        come out of hash maps (clearing autocast's cast cache frees in
+        TensorImpl address order), and the allocator ends a burst of frees in
+        the same state whatever their order.
+        """
+        events = self.trace.events
+        i = 0
+        while i < len(events):
+            j = i
+            while j < len(events) and not events[j][0]:
+                j += 1
+            if j - i > 1:
+                events[i:j] = sorted(events[i:j], key=lambda e: e[1])
+            i = j + 1 if j == i else j
+        for k, a in enumerate(self.trace.allocations):
+            if a.category:
+                continue
+            if a.phase == Phase.INPUT:
+                a.category = Category.INPUT
+            elif a.phase in (Phase.FORWARD, Phase.LOSS) and k in self.survivors:
+                a.category = Category.ACTIVATION
+            else:
+                a.category = Category.TEMPORARY
+        return self.trace
+
+    def snapshot_survivors(self) -> None:
+        """Called when a backward starts: live forward allocations are activations."""
+        self.survivors.update(self.live.values())
+
+
+class SimulationHooks(StepHooks):
+    """The training loop as the recorder sees it: phases, categories, the virtual GPU's autocast and
+    ``.item()`` policy, and foreign exceptions translated at this one seam."""
+
+    def __init__(self, vgpu: VirtualGPU, recorder: Recorder) -> None:
+        super().__init__(vgpu.device)
+        self.vgpu = vgpu
+        self.recorder = recorder
+
+    def phase(self, phase: Phase, iteration: int) -> None:
+        self.recorder.phase = phase
+        self.recorder.iteration = iteration
+
+    def call(self, phase: Phase, fn: Callable[[], T]) -> T:
+        return _call(phase, fn, self.recorder)
+
+    def autocast(self, dtype: torch.dtype | None) -> contextlib.AbstractContextManager[Any]:
+        return self.vgpu.autocasting(dtype)
+
+    def optimizer_step(self) -> contextlib.AbstractContextManager[Any]:
+        return self.vgpu.allowing_item()
+
+    def backward_starts(self) -> None:
+        self.recorder.snapshot_survivors()
+
+    def after_backward(self, params: list[torch.nn.Parameter]) -> None:
+        self.recorder.mark((p.grad for p in params), Category.GRADIENT)
+
+    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.recorder.mark(tree_leaves(list(optimizer.state.values())), Category.OPTIMIZER_STATE)
+
+
+class _ModuleTracker:
+    """Global forward hooks that keep the module path stack of the recorder."""
+
+    def __init__(self, recorder: Recorder, root: torch.nn.Module) -> None:
+        self.recorder = recorder
+        self.names = {id(m): (n or type(root).__name__) for n, m in root.named_modules()}
+        self.handles: list[Any] = []
+
+    def __enter__(self) -> _ModuleTracker:
+        stack = self.recorder.module_stack
+        names = self.names
+
+        def pre(module: torch.nn.Module, args: Any) -> None:
+            stack.append(names.get(id(module), type(module).__name__))
+
+        def post(module: torch.nn.Module, args: Any, output: Any) -> None:
+            if stack:
+                stack.pop()
+
+        self.handles = [
+            torch.nn.modules.module.register_module_forward_pre_hook(pre),
+            torch.nn.modules.module.register_module_forward_hook(post, always_call=True),
+        ]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _unsupported_hooks(model: torch.nn.Module) -> list[str]:
+    notes = []
+    for name, m in model.named_modules():
+        if m._backward_hooks or m._backward_pre_hooks:
+            notes.append(f"module backward hooks on {name or 'model'} are not run by the simulated engine")
+    if torch.nn.modules.module._global_backward_hooks or torch.nn.modules.module._global_backward_pre_hooks:
+        notes.append("global module backward hooks are not run by the simulated engine")
+    return notes
+
+
+WORST_CASE_ASSUMPTION = ("data-dependent sizes at their maximum (every mask element true, NMS keeps every box, "
+                         ".item() in the forward reads 0): an upper bound")
+
+
+def record_training(
+    model_factory: ModelFactory,
+    batch_factory: BatchFactory,
+    loss_fn: LossFn,
+    batch_size: int,
+    recipe: Recipe,
+    gpu: GPU | None,
+    *,
+    subclass_like: bool = False,
+    cpp_engine: bool = False,
+    worst_case: bool = False,
+    shortcuts: Shortcuts | None = None,
+) -> Trace:
+    """Simulate ``recipe.iterations`` training steps (``estimator.simulate.step``) and return the event trace."""
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise SpecError("batch_size", batch_size, "an integer >= 1")
+    try:
+        meta_model = build_on_meta(model_factory)
+    except Exception as exc:
+        raise SimulationError(f"the model factory failed: {type(exc).__name__}: {exc}", "build") from exc
+    if not isinstance(meta_model, torch.nn.Module):
+        raise SpecError("model", type(meta_model).__name__, "a factory returning a torch.nn.Module")
+    meta_model = cast_model(meta_model, recipe)  # on meta: no allocation
+    convs = ConvWorkspaces(gpu.capability, recipe.cudnn_benchmark) if gpu is not None else None
+    recorder = Recorder("cuda" if gpu is not None else "cpu", gpu.cublas_workspace_bytes if gpu is not None else 0,
+                        convs)
+    vgpu = VirtualGPU(gpu, observer=recorder, worst_case=WorstCase() if worst_case else None,
+                      subclass_like=subclass_like, cpp_engine=cpp_engine, shortcuts=shortcuts)
+    if worst_case:
+        recorder.trace.assumptions.append(WORST_CASE_ASSUMPTION)
+    with vgpu, torch.autograd.graph.node_creation_hook(
+            lambda node: recorder.node_modules.__setitem__(node._sequence_nr(), recorder.module())):
+        model = vgpu.materialize(meta_model)
+        recorder.mark(model.parameters(), Category.PARAMETER)
+        recorder.mark(model.buffers(), Category.BUFFER)
+        recorder.trace.unsupported.extend(_unsupported_hooks(model))
+        training = prepare(model, recipe)
+        recorder.trace.assumptions.extend(training.notes)
+        recorder.params = training.params
+        with _ModuleTracker(recorder, model):
+            run_steps(training, batch_factory, loss_fn, batch_size, recipe, vgpu.device,
+                      SimulationHooks(vgpu, recorder))
+        recorder.params = []
+        del model, training
+    trace = recorder.finish()
+    if convs is not None:
+        trace.capability_thresholds = sorted(convs.thresholds)
+        if convs.calls:
+            trace.assumptions.append(CUDNN_ASSUMPTION)
+            if recipe.cudnn_benchmark:
+                trace.assumptions.append(BENCHMARK_ASSUMPTION)
+    trace.unsupported.extend(vgpu.unsupported)
+    trace.sdpa_calls = sorted(vgpu.sdpa_calls, key=repr)
+    # FLOPs of one optimizer step's forward and backward passes (all accumulation micro-batches), steady state
+    trace.flops = recorder.iteration_flops.get(recipe.iterations - 1, 0)
+    trace.card_queries = sorted(set(vgpu.card_queries))
+    return trace
+
+
+# torch.nn.functional's checks behind "Expected more than 1 value per channel when training".
+_BATCH_SIZE_CHECKS = frozenset({"_verify_batch_size", "_verify_spatial_size"})
+
+
+def _raised_in(exc: BaseException, functions: frozenset[str]) -> bool:
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name in functions:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _call(phase: Phase, fn: Callable[[], T], recorder: Recorder) -> T:
+    """``fn()``, with foreign exceptions translated into batchfit's (the one seam, estimator/errors.py)."""
+    try:
+        return fn()
+    except (SimulationError, SpecError):
+        raise
+    except torch._subclasses.fake_tensor.DataDependentOutputException as exc:
+        raise DataDependentError(
+            f"the model reads a tensor's value ({exc.func}), which a simulation without data cannot know",
+            where=f"{phase}, module {recorder.module() or '<top>'}",
+        ) from exc
+    except ValueError as exc:
+        where = f"{phase}, module {recorder.module() or '<top>'}"
+        if _raised_in(exc, _BATCH_SIZE_CHECKS):
+            raise BatchTooSmallError(f"{exc}; the smallest batch that trains is larger", where) from exc
+        raise SimulationError(f"ValueError: {exc}", where) from exc
+    except Exception as exc:
+        cause: BaseException = exc
+        while cause.__cause__ is not None and not isinstance(cause, DataDependentError):
+            cause = cause.__cause__
+        where = f"{phase}, module {recorder.module() or '<top>'}"
+        if isinstance(cause, DataDependentError):
+            raise DataDependentError(cause.message, where) from exc
+        raise SimulationError(f"{type(exc).__name__}: {exc}", where) from exc

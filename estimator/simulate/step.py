@@ -1,0 +1,168 @@
+"""The training loop, written once: the simulation, a real CUDA step and a real CPU step all run it.
+
+Per iteration: zero_grad -> (input -> forward -> loss -> backward) x
+accumulation steps -> optimizer step (GradScaler for amp-fp16). Model
+outputs are released once the loss is computed, and the loss once
+backward has run, as in the Hugging Face Trainer and Lightning loops.
+
+>>> training = prepare(model, recipe)                                      # doctest: +SKIP
+>>> run_steps(training, batch_factory, loss_fn, 8, recipe, torch.device("cuda"))
+
+What differs between a simulation and a measurement is only what watches
+the loop: ``StepHooks``. Its defaults run the loop for real (torch.autocast,
+no translation of errors); the recorder's hooks (``estimator.simulate.record``)
+mark categories, switch phases and drive the virtual GPU's autocast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from estimator.errors import SimulationError
+from estimator.request.recipe import Recipe
+from estimator.simulate.checkpointing import enable_checkpointing
+from estimator.simulate.optimizers import build_optimizer
+from estimator.trace import Phase
+
+ModelFactory = Callable[[], torch.nn.Module]
+BatchFactory = Callable[[int, torch.device], tuple[Any, Any]]
+LossFn = Callable[[Any, Any], torch.Tensor]
+T = TypeVar("T")
+
+
+class StepHooks:
+    """What a caller of ``run_steps`` sees of the loop. The defaults run it as a real training script."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def phase(self, phase: Phase, iteration: int) -> None:
+        """The loop enters ``phase`` of ``iteration``."""
+
+    def call(self, phase: Phase, fn: Callable[[], T]) -> T:
+        """Run one part of the step (input, forward, loss, backward, optimizer)."""
+        return fn()
+
+    def autocast(self, dtype: torch.dtype | None) -> contextlib.AbstractContextManager[Any]:
+        """The forward and loss run inside this (mixed precision when ``dtype`` is set)."""
+        return torch.autocast(self.device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
+
+    def optimizer_step(self) -> contextlib.AbstractContextManager[Any]:
+        """The optimizer step runs inside this."""
+        return contextlib.nullcontext()
+
+    def backward_starts(self) -> None:
+        """A backward is about to run: what the forward left alive is the activations."""
+
+    def after_backward(self, params: list[torch.nn.Parameter]) -> None:
+        """A backward has run: ``params`` hold gradients."""
+
+    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """An optimizer step has run: its state exists."""
+
+    def iteration_end(self, iteration: int) -> None:
+        """An iteration (one optimizer step) is done."""
+
+
+@dataclass
+class Training:
+    """A model ready to train: its trainable parameters, optimizer and (amp-fp16) GradScaler."""
+
+    model: torch.nn.Module
+    params: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler | None
+    notes: list[str]
+
+
+def cast_model(model: torch.nn.Module, recipe: Recipe) -> torch.nn.Module:
+    """The model in the recipe's parameter dtype (pure bf16 casts it; the simulation does so on meta)."""
+    return model.to(torch.bfloat16) if recipe.precision == "bf16" else model
+
+
+def prepare(model: torch.nn.Module, recipe: Recipe) -> Training:
+    """Train mode, checkpointing, the optimizer and the GradScaler, as every run sets them up."""
+    model.train()
+    notes = []
+    if recipe.gradient_checkpointing:
+        notes.append(enable_checkpointing(model, recipe.gradient_checkpointing))
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = build_optimizer(recipe, params)
+    device = next((p.device.type for p in params), "cpu")
+    scaler = torch.amp.GradScaler(device) if recipe.uses_grad_scaler else None
+    return Training(model, params, optimizer, scaler, notes)
+
+
+def apply_model(model: torch.nn.Module, inputs: Any) -> Any:
+    """``model(inputs)``: a dict as keyword arguments, a tuple or list as positional ones."""
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
+
+
+def run_steps(training: Training, batch_factory: BatchFactory, loss_fn: LossFn, batch_size: int, recipe: Recipe,
+              device: torch.device, hooks: StepHooks | None = None) -> None:
+    """``recipe.iterations`` optimizer steps of ``training`` on batches from ``batch_factory``."""
+    hooks = hooks or StepHooks(device)
+    model, params, optimizer, scaler = training.model, training.params, training.optimizer, training.scaler
+    keep = getattr(batch_factory, "keep_dtype", ())
+    accumulation = recipe.grad_accumulation_steps
+    batch = None
+    for it in range(recipe.iterations):
+        if recipe.zero_grad_at == "step-start":
+            hooks.phase(Phase.ZERO_GRAD, it)
+            optimizer.zero_grad(set_to_none=recipe.zero_grad_set_to_none)
+        for micro in range(accumulation):
+            hooks.phase(Phase.INPUT, it)
+            batch = hooks.call(Phase.INPUT, lambda: batch_factory(batch_size, device))
+            inputs, targets = batch
+            loss = _forward(hooks, model, inputs, targets, loss_fn, recipe, keep, it)
+            if micro == 0 and recipe.zero_grad_at == "after-forward":
+                hooks.phase(Phase.ZERO_GRAD, it)
+                optimizer.zero_grad(set_to_none=recipe.zero_grad_set_to_none)
+            hooks.phase(Phase.BACKWARD, it)
+            hooks.backward_starts()
+            if accumulation > 1:
+                loss = loss / accumulation
+            if scaler is not None:
+                loss = scaler.scale(loss)
+            hooks.call(Phase.BACKWARD, loss.backward)
+            hooks.after_backward(params)
+            del loss, inputs, targets
+        hooks.phase(Phase.OPTIMIZER, it)
+        with hooks.optimizer_step():
+            if scaler is not None:
+                hooks.call(Phase.OPTIMIZER, lambda: scaler.step(optimizer))
+                scaler.update()
+            else:
+                hooks.call(Phase.OPTIMIZER, optimizer.step)
+        hooks.after_step(optimizer)
+        hooks.iteration_end(it)
+    hooks.phase(Phase.TEARDOWN, recipe.iterations - 1)
+    del batch
+
+
+def _forward(hooks: StepHooks, model: torch.nn.Module, inputs: Any, targets: Any, loss_fn: LossFn, recipe: Recipe,
+             keep: tuple[int | str, ...], it: int) -> torch.Tensor:
+    with hooks.autocast(recipe.autocast_dtype):
+        hooks.phase(Phase.FORWARD, it)
+        # pure bf16: the copy lives as long as the forward (and what autograd saves of it), as in Fabric
+        out = hooks.call(Phase.FORWARD, lambda: apply_model(model, recipe.forward_inputs(inputs, keep)))
+        hooks.phase(Phase.LOSS, it)
+        loss = hooks.call(Phase.LOSS, lambda: loss_fn(out, targets))
+        del out
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise SimulationError("the loss must be a tensor with one element", "loss")
+    return loss
+
+
+def tensors(items: Iterable[Any]) -> Iterator[torch.Tensor]:
+    """The tensors among ``items``."""
+    return (t for t in items if isinstance(t, torch.Tensor))
