@@ -18,7 +18,7 @@ WORKDIR /opt/batchfit
 COPY pyproject.toml README.md ./
 COPY estimator ./estimator
 COPY app ./app
-# torch==2.14.1 from PyPI is the CUDA build (DESIGN fact 1)
+# torch==2.14.1 from PyPI is the CUDA build (docs/DESIGN.md, fact 1)
 RUN pip install .
 
 USER batchfit

@@ -16,7 +16,13 @@ from pydantic import BaseModel
 
 from estimator import describe_validation_error
 from estimator.errors import (
-    BatchfitError, Busy, LimitExceeded, NoGPUError, SimulationError, SpecError, Unauthorized,
+    BatchfitError,
+    Busy,
+    LimitExceeded,
+    NoGPUError,
+    SimulationError,
+    SpecError,
+    Unauthorized,
 )
 
 PROBLEM = "application/problem+json"
@@ -55,7 +61,8 @@ def problem_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
 
 def problem(status: int, kind: str, title: str, detail: str, headers: dict[str, str] | None = None,
             **extra: Any) -> JSONResponse:
-    body = {"type": f"https://batchfit.dev/problems/{kind}", "title": title, "status": status, "detail": detail, **extra}
+    body = {"type": f"https://batchfit.dev/problems/{kind}", "title": title, "status": status, "detail": detail,
+            **extra}
     return JSONResponse(body, status_code=status, media_type=PROBLEM, headers=headers)
 
 

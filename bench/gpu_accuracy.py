@@ -118,7 +118,8 @@ def _gpu_suite(out: str | None, budget_s: float) -> int:
         import torch
 
         m = rows[0][1].measured
-        header = (f"# batchfit on {m.gpu}\n\n{time.strftime('%Y-%m-%d')}, driver {m.driver}, torch {torch.__version__}, "
+        header = (f"# batchfit on {m.gpu}\n\n{time.strftime('%Y-%m-%d')}, driver {m.driver}, "
+                  f"torch {torch.__version__}, "
                   f"CUDA {m.cuda}, measured context {m.context_bytes / 2**20:.0f} MiB\n\n")
         with open(out, "w") as f:
             f.write(header + text)
@@ -153,10 +154,10 @@ def _cpu_selfcheck() -> int:
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from test_cpu_truth import BATCH, _real_peak
-    from estimator.testing.zoo import ZOO
 
-    from estimator.request.recipe import Recipe
     from estimator.pipeline import estimate_memory
+    from estimator.request.recipe import Recipe
+    from estimator.testing.zoo import ZOO
 
     worst = 0.0
     for name in ("mlp", "conv"):

@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 import torchvision
 
-from estimator.pipeline import estimate
 from estimator.gpus import CATALOG
+from estimator.pipeline import estimate
 from estimator.request.spec import parse_request
 
 
@@ -81,7 +81,8 @@ def main() -> None:
             print(f"  again in the same process (the fake-tensor cache warm): {again:.2f} s, ratio {again / step:.2f}")
         if mode == "top":
             for r in response.results[:4]:
-                print(f"  {r.gpu:<24} max {r.max_batch_size}  recommended {r.recommended_batch_size}  ({r.search.method})")
+                print(f"  {r.gpu:<24} max {r.max_batch_size}  recommended {r.recommended_batch_size}  "
+                      f"({r.search.method})")
     same = all(a == answers["top"] for a in answers.values())
     print(f"every mode gives the same max batch on every card: {same}")
 

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from estimator.request.recipe import Recipe  # noqa: E402
 from estimator.replay.report import estimate_memory  # noqa: E402
+from estimator.request.recipe import Recipe  # noqa: E402
 
 
 def resnet50():

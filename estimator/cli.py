@@ -121,9 +121,9 @@ def _validate(args: argparse.Namespace) -> int:
 
 def _plot(args: argparse.Namespace, response) -> None:
     """The first card's step at its memory batch, simulated (or synthesized from the profile) again."""
-    from estimator.request.adapt import cards_of, recipe_of
     from estimator.gpus import get_gpu
     from estimator.plot import draw_timeline
+    from estimator.request.adapt import cards_of, recipe_of
 
     first = response.results[0]
     batch = first.memory.batch_size

@@ -22,7 +22,6 @@ one HTTP status (``app/errors.py``).
 
 from __future__ import annotations
 
-
 from typing import Any
 
 

@@ -47,7 +47,7 @@ class PortableProfile:
         }
 
     @classmethod
-    def from_json(cls, doc: Any) -> "PortableProfile":
+    def from_json(cls, doc: Any) -> PortableProfile:
         if not isinstance(doc, dict) or doc.get("schema") != "batchfit.profile":
             raise SpecError("--profile", type(doc).__name__, "a batchfit profile (schema 'batchfit.profile')")
         if doc.get("version") != SCHEMA_VERSION:

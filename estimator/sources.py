@@ -17,8 +17,8 @@ from estimator.errors import SpecError
 from estimator.gpus import GPU
 from estimator.models import BuiltModel
 from estimator.plan.affine import AffineTrace, fit
-from estimator.portable import PortableProfile
 from estimator.plan.replays import ReplayCache
+from estimator.portable import PortableProfile
 from estimator.replay.report import MemoryReport
 from estimator.request.recipe import Recipe
 from estimator.simulate.record import record_training

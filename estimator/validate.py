@@ -109,9 +109,9 @@ def validate(request, source: MeasurementSource | None = None, batch_size: int |
 
     Returns ``(EstimateResponse, Validation)``; raises ``NoGPUError`` without a GPU.
     """
-    from estimator.request.adapt import cards_of
-    from estimator.pipeline import estimate
     from estimator.models import build
+    from estimator.pipeline import estimate
+    from estimator.request.adapt import cards_of
 
     cards_of(request)
     build(request)  # a bad request fails as a bad request first, GPU or not
@@ -170,7 +170,8 @@ def _nvml_used() -> tuple[int, str, str]:
     used = pynvml.nvmlDeviceGetMemoryInfo(handle).used
     name = pynvml.nvmlDeviceGetName(handle)
     driver = pynvml.nvmlSystemGetDriverVersion()
-    return used, name if isinstance(name, str) else name.decode(), driver if isinstance(driver, str) else driver.decode()
+    name = name if isinstance(name, str) else name.decode()
+    return used, name, driver if isinstance(driver, str) else driver.decode()
 
 
 def _child(doc: dict[str, Any]) -> Measurement:
@@ -225,4 +226,4 @@ def _child(doc: dict[str, Any]) -> Measurement:
 
 if __name__ == "__main__":
     measurement = _child(json.loads(sys.stdin.read()))
-    print(json.dumps(asdict(measurement)))
+    sys.stdout.write(json.dumps(asdict(measurement)) + "\n")

@@ -67,7 +67,8 @@ def answers(name: str) -> list[dict]:
     model, inp, training = REQUESTS[name]
     request = parse_request({"model": model, "input": inp, "training": training, "gpus": CARDS,
                              "planner": {"curve_points": 0}})
-    return [{"gpu": r.gpu, "max": r.max_batch_size, "recommended": r.recommended_batch_size, "search": _spelled(r.search),
+    return [{"gpu": r.gpu, "max": r.max_batch_size, "recommended": r.recommended_batch_size,
+             "search": _spelled(r.search),
              "allocated": r.memory.allocated_peak_bytes, "reserved": r.memory.reserved_peak_bytes,
              "device": r.memory.device_peak_bytes} for r in estimate(request).results]
 

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from estimator.replay.allocator import AllocatorConfig, Event, allocation_size, replay, round_size
 from estimator.errors import ReplayError
+from estimator.replay.allocator import AllocatorConfig, Event, allocation_size, replay, round_size
 
 MiB = 1024 * 1024
 
@@ -134,7 +134,7 @@ def test_properties(trace, expandable) -> None:
     r1 = replay([Event(*e) for e in events], cfg)
     r2 = replay([Event(*e) for e in events], cfg)
     assert (r1.allocated, r1.reserved) == (r2.allocated, r2.reserved)  # deterministic
-    assert all(res >= al for al, res in zip(r1.allocated, r1.reserved))  # reserved >= allocated
+    assert all(res >= al for al, res in zip(r1.allocated, r1.reserved, strict=True))  # reserved >= allocated
     closing = [Event(False, k, 0) for k in live]
     r3 = replay([Event(*e) for e in events] + closing, cfg)
     assert r3.allocated[-1] == 0  # freeing everything returns allocated to zero

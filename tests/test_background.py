@@ -16,9 +16,9 @@ from estimator.background import Background
 from estimator.gpus import get_gpu
 from estimator.models import build
 from estimator.request.recipe import Recipe
-from estimator.sources import Simulator
 from estimator.request.spec import parse_request
 from estimator.simulate.record import record_training
+from estimator.sources import Simulator
 
 A100 = get_gpu("A100-80GB")
 

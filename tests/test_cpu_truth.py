@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from estimator.request.recipe import Recipe
 from estimator.pipeline import estimate_memory
+from estimator.request.recipe import Recipe
 from estimator.testing.zoo import ZOO
 
 # Reentrant checkpoint also snapshots the CPU RNG state (a 5,056 B host tensor made
@@ -28,7 +28,8 @@ def _real_peak(name: str, recipe: Recipe) -> int:
 
     mf, bf, lf = ZOO[name]
     torch.manual_seed(0)
-    with torch.backends.mkldnn.flags(enabled=False), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+    profiling = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+    with torch.backends.mkldnn.flags(enabled=False), profiling as prof:
         # the loop the simulation runs (estimator/simulate/step.py), for real on the CPU
         training = prepare(cast_model(mf(), recipe), recipe)
         run_steps(training, bf, lf, BATCH, recipe, torch.device("cpu"))

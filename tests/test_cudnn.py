@@ -7,11 +7,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from estimator.replay.allocator import AllocatorConfig, replay_sized
-from estimator.pipeline import estimate
 from estimator.gpus import MIB, get_gpu
+from estimator.pipeline import estimate, estimate_memory
+from estimator.replay.allocator import AllocatorConfig, replay_sized
 from estimator.request.recipe import Recipe
-from estimator.pipeline import estimate_memory
 from estimator.request.spec import parse_request
 
 A100, T4 = get_gpu("A100-80GB"), get_gpu("T4-16GB")
@@ -32,7 +31,8 @@ def _batch(b, device):
     return torch.empty(b, 3, 32, 32, device=device), torch.zeros(b, dtype=torch.long, device=device)
 
 
-def _step(gpu, recipe=Recipe(), depthwise=False):
+def _step(gpu, recipe=None, depthwise=False):
+    recipe = recipe or Recipe()
     return estimate_memory(lambda: OneConv(depthwise), _batch, F.cross_entropy, B, recipe=recipe, gpu=gpu)
 
 
@@ -176,7 +176,7 @@ def test_expandable_segments_with_workspaces_and_empty_cache() -> None:
     cats = ["temporary", "empty_cache", "activation", "conv_workspace", "activation"]
     r = replay_sized(events, sizes, cats, cfg)
     assert r.fits and r.failed_mallocs == 1  # the 30 MiB workspace beside 10 MiB on a 32 MiB card
-    assert all(res >= alloc for res, alloc in zip(r.reserved, r.allocated))
+    assert all(res >= alloc for res, alloc in zip(r.reserved, r.allocated, strict=True))
     # 30 MiB mapped for the first request, reused by 10 + 12 MiB: nothing more mapped, nothing unmapped
     assert r.reserved == [30 * MIB] * len(events)
     assert r.allocated[-1] == 22 * MIB  # and the workspace never was

@@ -1,4 +1,4 @@
-"""Our engine vs PyTorch's C++ engine, both on fake CPU tensors (DESIGN: engine parity).
+"""Our engine vs PyTorch's C++ engine, both on fake CPU tensors (docs/DESIGN.md, "Engine parity").
 
 Both runs record the same two SGD training iterations of each zoo model; the
 C++ run leaves torch.autograd alone, ours routes backward to ``Engine`` with
@@ -32,6 +32,6 @@ def _runs(name: str):
 def test_same_event_sequence_and_peak(name: str) -> None:
     ref, ours, a, b = _runs(name)
     assert len(a) > 20
-    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    first = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
     assert first is None and len(a) == len(b), f"first difference at event {first}"
     assert ref.live_peak()[0] == ours.live_peak()[0]

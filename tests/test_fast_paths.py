@@ -61,7 +61,7 @@ def test_batch_norm_and_cache_key_shortcuts(model, precision) -> None:
     recipe = Recipe(precision=precision)
     fast = [record_training(b.factory, b.batch_factory, b.loss_fn, n, recipe, A100) for n in (3, 5)]
     slow = Shortcuts(batch_norm=False, cache_keys=False)
-    for n, trace in zip((3, 5), fast):
+    for n, trace in zip((3, 5), fast, strict=True):
         _same(trace, record_training(b.factory, b.batch_factory, b.loss_fn, n, recipe, A100, shortcuts=slow))
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from golden import PATH, REQUESTS, answers
 
 RECORDED = json.loads(PATH.read_text())

@@ -11,13 +11,13 @@ from __future__ import annotations
 import pytest
 
 from estimator.errors import SpecError
-from estimator.pipeline import estimate
 from estimator.gpus import CATALOG, custom_gpu, get_gpu
 from estimator.models import BuiltModel, build
+from estimator.pipeline import estimate
 from estimator.plan.results import WarningCode
 from estimator.plan.search import DEFAULT_HEADROOM, DEFAULT_RESERVE_BYTES, MAX_BATCH, aligned_within, headroom_capacity
-from estimator.request.recipe import Recipe
 from estimator.replay.report import report_from_trace
+from estimator.request.recipe import Recipe
 from estimator.request.spec import parse_request
 from estimator.simulate.record import record_training
 from estimator.testing.zoo import ZOO
@@ -114,7 +114,7 @@ def test_more_headroom_recommends_less() -> None:
     # headroom 0: the max with the context counted twice (in the device peak and out of the usable
     # memory), 420 MiB less for the allocator: within 2% of the max here
     assert 0.98 * recs[0].max_batch_size <= recs[0].recommended_batch_size <= recs[0].max_batch_size
-    for r, h in zip(recs, (0.0, 0.1, 0.3)):
+    for r, h in zip(recs, (0.0, 0.1, 0.3), strict=True):
         assert r.recommended_memory.device_peak_bytes <= _limit("A100-40GB", h)
         # about (1 - h) of the max: memory is close to affine in the batch
         assert abs(r.recommended_batch_size / r.max_batch_size - (1 - h)) < 0.05

@@ -18,12 +18,12 @@ import torchvision.models as tvm
 from estimator.errors import BatchTooSmallError
 from estimator.gpus import get_gpu
 from estimator.models import build
+from estimator.models.meta import build_on_meta
 from estimator.models.transformers_models import AUTO_CLASSES, presets
+from estimator.replay.report import report_from_trace
 from estimator.request.recipe import Recipe
 from estimator.request.spec import parse_request
-from estimator.models.meta import build_on_meta
 from estimator.simulate.record import record_training
-from estimator.replay.report import report_from_trace
 
 A100 = get_gpu("A100-80GB")
 BLOCK = 512  # the caching allocator rounds every request up to 512 B ...

@@ -12,15 +12,15 @@ import torch.nn.functional as F
 
 from estimator.gpus import CATALOG, MIB, custom_gpu, get_gpu
 from estimator.models import BuiltModel, build
+from estimator.pipeline import estimate
+from estimator.plan.affine import fit
 from estimator.plan.results import Search, SearchMethod, WarningCode
 from estimator.plan.search import DEFAULT_HEADROOM, DEFAULT_RESERVE_BYTES, headroom_capacity, recommended
-from estimator.plan.affine import fit
-from estimator.request.recipe import Recipe
 from estimator.replay.report import report_from_trace
-from estimator.sources import Simulator
-from estimator.pipeline import estimate
+from estimator.request.recipe import Recipe
 from estimator.request.spec import parse_request
 from estimator.simulate.record import record_training
+from estimator.sources import Simulator
 from estimator.testing.zoo import ZOO
 
 A100 = get_gpu("A100-80GB")

@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from estimator.pipeline import estimate, estimate_from_profile, make_profile
 from estimator.errors import SpecError
 from estimator.gpus import get_gpu
 from estimator.models import build
+from estimator.pipeline import estimate, estimate_from_profile, make_profile
 from estimator.plan.advice import AccumulationPlan, accumulation_plan, curve_batches, lr_advice, step_seconds
 from estimator.portable import PortableProfile
-from estimator.request.recipe import Recipe
 from estimator.replay.report import report_from_trace
+from estimator.request.recipe import Recipe
 from estimator.request.spec import parse_request
 from estimator.simulate.record import record_training
 
@@ -102,7 +102,7 @@ def test_profile_answers_like_the_spec(tmp_path) -> None:
     from_spec = estimate(request, confirm="none")
     from_profile = estimate_from_profile(again, gpus=["T4-16GB", "A100-40GB"])
     assert from_profile.provenance.simulations == 0
-    for a, b in zip(from_spec.results, from_profile.results):
+    for a, b in zip(from_spec.results, from_profile.results, strict=True):
         assert (a.max_batch_size, a.recommended_batch_size, a.memory, a.curve, a.step_seconds) == \
                (b.max_batch_size, b.recommended_batch_size, b.memory, b.curve, b.step_seconds)
     assert (from_spec.breakdown, from_spec.per_sample_bytes, from_spec.fixed_bytes, from_spec.flops_per_sample) == \

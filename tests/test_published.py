@@ -32,10 +32,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from estimator.replay.allocator import round_size
 from estimator.gpus import MIB, get_gpu
-from estimator.request.recipe import Recipe
 from estimator.pipeline import estimate_memory
+from estimator.replay.allocator import round_size
+from estimator.request.recipe import Recipe
 
 
 def bert_large():

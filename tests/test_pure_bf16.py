@@ -13,11 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from estimator.pipeline import estimate
-
-from estimator.request.adapt import recipe_of
 from estimator.gpus import get_gpu
 from estimator.models import build
+from estimator.pipeline import estimate
+from estimator.request.adapt import recipe_of
 from estimator.request.spec import parse_request
 from estimator.simulate.record import record_training
 

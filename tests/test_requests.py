@@ -9,13 +9,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from pydantic import TypeAdapter
 
 from estimator.cli import main
 from estimator.errors import SpecError
-from estimator.pipeline import estimate
 from estimator.gpus import CATALOG
-from pydantic import TypeAdapter
-
+from estimator.pipeline import estimate
 from estimator.plan.results import EstimateResponse
 from estimator.request.spec import parse_request
 

@@ -14,8 +14,8 @@ from fastapi.testclient import TestClient
 
 from app.main import create_app
 from app.settings import Settings
-from estimator.request.spec import parse_request
 from estimator.errors import NoGPUError
+from estimator.request.spec import parse_request
 from estimator.validate import Measurement, compare, cuda_available, validate
 
 GIB = 2**30
@@ -111,5 +111,5 @@ def test_gpu_accuracy_suite_covers_the_issue() -> None:
     for needle in ("resnet50", "vit_b_16", "vit_l_16", "convnext", "efficientnet", "bert-base", "bert-large",
                    "gpt2 ", "gpt2-medium", "llama-1b", "fp32", "amp-bf16", "amp-fp16", "bf16", "sgd", "ckpt"):
         assert needle in names, needle
-    for name, batch, req in CASES:
+    for _, _, req in CASES:
         parse_request(req)  # every case is a valid request

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 from estimator.errors import DataDependentError, SimulationError, UnknownGPUError
 from estimator.gpus import get_gpu
-from estimator.request.recipe import Recipe
 from estimator.pipeline import estimate_memory
+from estimator.request.recipe import Recipe
 from estimator.simulate.record import record_training
 from estimator.simulate.virtual_gpu import NullObserver, VirtualGPU
 from estimator.testing.zoo import ZOO
@@ -46,7 +46,7 @@ def test_device_queries_answer_for_the_card() -> None:
 
 
 def test_autocast_policy_is_cudas() -> None:
-    meta = nn.Linear(8, 8, device="meta")  # built outside the fake mode (DESIGN fact 3)
+    meta = nn.Linear(8, 8, device="meta")  # built outside the fake mode (docs/DESIGN.md, fact 3)
     with VirtualGPU(get_gpu("A100-80GB")) as vgpu:
         lin = vgpu.materialize(meta)
         vgpu.autocast(torch.bfloat16)
@@ -81,7 +81,7 @@ def test_optimizer_defaults_to_foreach_on_gpu() -> None:
     mf, bf, lf = ZOO["mlp"]
     gpu_ops = {a.op for a in record_training(mf, bf, lf, 4, Recipe(), get_gpu("A100-80GB")).allocations}
     cpu_ops = {a.op for a in record_training(mf, bf, lf, 4, Recipe(), None).allocations}
-    assert "_foreach_sqrt" in gpu_ops  # real GPUs default to foreach (DESIGN fact 6)
+    assert "_foreach_sqrt" in gpu_ops  # real GPUs default to foreach (docs/DESIGN.md, fact 6)
     assert "_foreach_sqrt" not in cpu_ops  # CPUs take the single-tensor path
 
 

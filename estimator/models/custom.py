@@ -15,8 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from estimator.errors import SpecError
-from estimator.models import BuiltModel, count_parameters, probe
-from estimator.models import tasks
+from estimator.models import BuiltModel, count_parameters, probe, tasks
 from estimator.request.spec import CustomModel, InputSpec
 
 

@@ -10,8 +10,7 @@ from __future__ import annotations
 import functools
 
 from estimator.errors import SpecError
-from estimator.models import BuiltModel, count_parameters, probe, refuse_downloads, unknown_name
-from estimator.models import tasks
+from estimator.models import BuiltModel, count_parameters, probe, refuse_downloads, tasks, unknown_name
 from estimator.request.spec import InputSpec, TimmModel
 
 # Keys that would read or fetch files.
@@ -36,7 +35,8 @@ def build_timm(spec: TimmModel, inp: InputSpec) -> BuiltModel:
     else:
         c, h, w = inp.image_size
         grid = getattr(getattr(model, "patch_embed", None), "img_size", None)
-        dynamic = getattr(getattr(model, "patch_embed", None), "dynamic_img_size", False) or kwargs.get("dynamic_img_size")
+        patch_embed = getattr(model, "patch_embed", None)
+        dynamic = getattr(patch_embed, "dynamic_img_size", False) or kwargs.get("dynamic_img_size")
         if grid is not None and not dynamic and tuple(grid) != (h, w):
             raise SpecError("input.image_size", inp.image_size,
                             f"[C, {grid[0]}, {grid[1]}]: {spec.name} is built for that size "

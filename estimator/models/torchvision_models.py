@@ -17,8 +17,7 @@ import functools
 import torchvision.models as tvm
 
 from estimator.errors import SpecError
-from estimator.models import BuiltModel, count_parameters, probe, refuse_downloads, unknown_name
-from estimator.models import tasks
+from estimator.models import BuiltModel, count_parameters, probe, refuse_downloads, tasks, unknown_name
 from estimator.request.spec import InputSpec, TorchvisionModel
 
 DEFAULT_FRAMES = 16  # torchvision's video references train on 16-frame clips
@@ -80,7 +79,8 @@ def build_torchvision(spec: TorchvisionModel, inp: InputSpec) -> BuiltModel:
         c, h, w = inp.image_size
         if isinstance(fixed, int) and (h, w) != (fixed, fixed):
             raise SpecError("input.image_size", inp.image_size,
-                            f"[C, {fixed}, {fixed}]: {spec.name} is built for {fixed} px (kwargs image_size changes it)")
+                            f"[C, {fixed}, {fixed}]: {spec.name} is built for {fixed} px "
+                            "(kwargs image_size changes it)")
     elif family == "detection":
         h, w = _DETECTION_SIDE.get(spec.name, (800, 1333))
         c = 3

@@ -15,8 +15,7 @@ from typing import Any
 import torch
 
 from estimator.errors import SpecError
-from estimator.models import BuiltModel, count_parameters, probe, unknown_name
-from estimator.models import tasks
+from estimator.models import BuiltModel, count_parameters, probe, tasks, unknown_name
 from estimator.request.spec import InputSpec, TransformersModel
 
 # The Auto class that builds each task's head.
@@ -103,13 +102,15 @@ def build_transformers(spec: TransformersModel, inp: InputSpec) -> BuiltModel:
         config = AutoConfig.for_model(model_type, **raw)
     except (TypeError, ValueError, KeyError) as exc:
         raise SpecError("model.config", spec.config, f"a valid {model_type} config ({exc})") from exc
-    task = spec.task or next((t for suffix, t in _ARCH_TASK for a in raw.get("architectures") or [] if a.endswith(suffix)),
+    architectures = raw.get("architectures") or []
+    task = spec.task or next((t for suffix, t in _ARCH_TASK for a in architectures if a.endswith(suffix)),
                              None)
     if task is None:
         raise SpecError("model.task", None, f"one of {', '.join(AUTO_CLASSES)} (the config names no architecture)")
     auto = getattr(transformers, AUTO_CLASSES[task])
     if type(config) not in auto._model_mapping:
-        supported = [t for t, name in AUTO_CLASSES.items() if type(config) in getattr(transformers, name)._model_mapping]
+        supported = [t for t, name in AUTO_CLASSES.items()
+                     if type(config) in getattr(transformers, name)._model_mapping]
         raise SpecError("model.task", task, f"a task {model_type} supports: {', '.join(supported) or 'none'}")
     assumptions: list[str] = []
     if task == "sequence-classification" and getattr(config, "pad_token_id", None) is None:
@@ -128,7 +129,8 @@ def build_transformers(spec: TransformersModel, inp: InputSpec) -> BuiltModel:
         c, side = int(getattr(config, "num_channels", 3)), int(getattr(config, "image_size", 224))
         if inp.image_size is not None and inp.image_size != [c, side, side]:
             raise SpecError("input.image_size", inp.image_size,
-                            f"[{c}, {side}, {side}] (the config's num_channels and image_size; change them in model.config)")
+                            f"[{c}, {side}, {side}] (the config's num_channels and image_size; "
+                            "change them in model.config)")
         if inp.image_size is None:
             assumptions.append(f"input.image_size not given: [{c}, {side}, {side}] from the config")
         return BuiltModel(f"transformers:{name}", factory, tasks.pixels(c, side, side), tasks.model_loss,

@@ -59,7 +59,8 @@ def lr_advice(optimizer: str, base_lr: float, base_batch: int, batch: int) -> Le
     """
     k = batch / base_batch
     if optimizer in ("sgd", "rmsprop"):
-        return LearningRate("linear", base_lr * k, "gradual warm-up: ramp linearly from the base LR to this one over the first 5 epochs",
+        return LearningRate("linear", base_lr * k,
+                            "gradual warm-up: ramp linearly from the base LR to this one over the first 5 epochs",
                             f"batch x{k:g}: gradient noise falls as 1/batch, so the step grows with it "
                             "(Goyal et al. 2017, valid up to ~8k for ResNet-50)")
     return LearningRate("sqrt", base_lr * k ** 0.5, "keep the base recipe's warm-up, at least 1% of the steps",

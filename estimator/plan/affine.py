@@ -1,6 +1,6 @@
 """The affine trace: a training step's events as a function of the batch size.
 
-DESIGN, "The planner": traced at two batch sizes, a model whose op sequence
+docs/DESIGN.md, "The planner": traced at two batch sizes, a model whose op sequence
 does not change with the batch has each allocation's size ``a + k*batch``
 (a tensor of shape (B, ...) has B times the bytes of one sample). The trace
 for any batch then follows without re-tracing, and the max-batch search
@@ -50,7 +50,7 @@ class AffineTrace:
 
     def sizes_at(self, batch: int, workspace: int) -> list[int]:
         """Each allocation's bytes at ``batch``, the cuBLAS workspace as ``workspace``."""
-        sizes = [c + k * batch for c, k in zip(self.const, self.per_sample)]
+        sizes = [c + k * batch for c, k in zip(self.const, self.per_sample, strict=True)]
         for i in self._workspaces:
             sizes[i] = workspace
         return sizes
@@ -129,7 +129,7 @@ def _same_program(a: Trace, b: Trace) -> bool:
     if a.events != b.events or len(a.allocations) != len(b.allocations):
         return False
     return all(x.op == y.op and x.category == y.category and x.phase == y.phase
-               for x, y in zip(a.allocations, b.allocations))
+               for x, y in zip(a.allocations, b.allocations, strict=True))
 
 
 def fit(points: list[tuple[int, Trace]], check: tuple[int, Trace] | None = None) -> AffineTrace | None:
@@ -138,7 +138,7 @@ def fit(points: list[tuple[int, Trace]], check: tuple[int, Trace] | None = None)
     if b1 == b2 or not _same_program(t1, t2):
         return None
     const, per_sample = [], []
-    for x, y in zip(t1.allocations, t2.allocations):
+    for x, y in zip(t1.allocations, t2.allocations, strict=True):
         if x.category == Category.WORKSPACE:
             const.append(0)
             per_sample.append(0)

@@ -40,8 +40,9 @@ Example:
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 from estimator.errors import ReplayError
 from estimator.trace import SOFT_CATEGORIES, Category, Trace
@@ -196,7 +197,7 @@ class _Allocator:
     def _release_segments(self, predicate) -> int:
         freed = 0
         for small in (True, False):
-            for size, addr in list(self.pools[small]):
+            for _size, addr in list(self.pools[small]):
                 b = self.blocks[addr]
                 if b.prev is None and b.next is None and predicate(b):
                     self._remove(b)
@@ -318,7 +319,7 @@ class _Allocator:
     def _unmap_free_pages(self) -> None:
         # Unmapping returns the whole pages inside free blocks.
         for small in (True, False):
-            for size, addr in list(self.pools[small]):
+            for _size, addr in list(self.pools[small]):
                 b = self.blocks[addr]
                 lo = (b.addr + EXPANDABLE_PAGE - 1) // EXPANDABLE_PAGE
                 hi = (b.addr + b.size) // EXPANDABLE_PAGE

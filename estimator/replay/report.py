@@ -100,7 +100,7 @@ def report_from_trace(
         peak, idx = trace.live_peak()
         by_cat: dict[str, int] = {}
         live: dict[int, int] = {}
-        for i, (is_alloc, k) in enumerate(trace.events[: idx + 1]):
+        for is_alloc, k in trace.events[: idx + 1]:
             if is_alloc:
                 live[k] = trace.allocations[k].nbytes
             else:

@@ -12,7 +12,7 @@ translated here, at one seam (``parse_request``).
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -22,7 +22,14 @@ from estimator.plan.advice import DEFAULT_EFFICIENCY
 from estimator.plan.search import DEFAULT_HEADROOM, DEFAULT_RESERVE_BYTES
 from estimator.plan.strategy import ConfirmMode
 from estimator.request.limits import (
-    MAX_BATCH, MAX_CARDS, MAX_CHANNELS, MAX_FRAMES, MAX_OBJECTS, MAX_SEQ_LEN, MAX_SIDE, MIN_SIDE,
+    MAX_BATCH,
+    MAX_CARDS,
+    MAX_CHANNELS,
+    MAX_FRAMES,
+    MAX_OBJECTS,
+    MAX_SEQ_LEN,
+    MAX_SIDE,
+    MIN_SIDE,
 )
 from estimator.request.recipe import Checkpointing, OptimizerName, Precision, ZeroGradAt
 
@@ -32,7 +39,7 @@ AttnImplementation = Literal["eager", "sdpa"]
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
 # JSON-only kwargs: no callables, no objects, so nothing in a request is code.
-JSONValue = Union[None, bool, int, float, str, list[Any], dict[str, Any]]
+JSONValue = None | bool | int | float | str | list[Any] | dict[str, Any]
 
 
 class TorchvisionModel(BaseModel):
@@ -69,7 +76,7 @@ class CustomModel(BaseModel):
     kwargs: dict[str, JSONValue] = Field(default_factory=dict)
 
 
-ModelSpec = Annotated[Union[TorchvisionModel, TimmModel, TransformersModel, CustomModel], Field(discriminator="source")]
+ModelSpec = Annotated[TorchvisionModel | TimmModel | TransformersModel | CustomModel, Field(discriminator="source")]
 
 
 class InputSpec(BaseModel):
@@ -131,7 +138,8 @@ class CustomGPUSpec(BaseModel):
     name: str = Field(min_length=1, max_length=64)
     memory_bytes: int = Field(ge=2**20, le=2**44, description="capacity as nvidia-smi reports it")
     compute_capability: str = Field("8.0", pattern=r"^\d{1,2}\.\d$", examples=["8.0"])
-    context_bytes: int | None = Field(None, ge=0, le=2**36, description=f"CUDA context; default {DEFAULT_CONTEXT_BYTES // 2**20} MiB")
+    context_bytes: int | None = Field(None, ge=0, le=2**36,
+                                      description=f"CUDA context; default {DEFAULT_CONTEXT_BYTES // 2**20} MiB")
 
 
 class PlannerSpec(BaseModel):
@@ -156,7 +164,8 @@ class PlannerSpec(BaseModel):
     base_batch: int | None = Field(None, ge=1, le=2**30)
     dataset_size: int | None = Field(None, ge=1, le=2**48, description="samples per epoch")
     max_epoch_seconds: float | None = Field(None, gt=0)
-    efficiency: float = Field(DEFAULT_EFFICIENCY, gt=0, le=1, description="fraction of the card's peak FLOP/s a step reaches")
+    efficiency: float = Field(DEFAULT_EFFICIENCY, gt=0, le=1,
+                              description="fraction of the card's peak FLOP/s a step reaches")
     max_seq_len: bool = Field(False, description="text models: also search the largest seq_len that fits at "
                               "batch_size (or the smallest batch); full simulations, slower")
 
@@ -166,7 +175,7 @@ class EstimateRequest(BaseModel):
     model: ModelSpec
     input: InputSpec = Field(default_factory=InputSpec)
     training: TrainingSpec = Field(default_factory=TrainingSpec)
-    gpus: list[Union[str, CustomGPUSpec]] | None = Field(
+    gpus: list[str | CustomGPUSpec] | None = Field(
         None, min_length=1, max_length=MAX_CARDS, description="catalog names or custom cards; null: the whole catalog")
     batch_size: int | None = Field(None, ge=1, le=MAX_BATCH, description="also report memory at exactly this batch")
     planner: PlannerSpec = Field(default_factory=PlannerSpec)

@@ -2,7 +2,7 @@
 
 ``foreach``/``fused`` left as ``None`` are decided by torch itself
 (``_default_to_fused_or_foreach``), which the virtual GPU answers as a real
-GPU would (DESIGN fact 6). Adafactor is ``torch.optim.Adafactor``.
+GPU would (docs/DESIGN.md, fact 6). Adafactor is ``torch.optim.Adafactor``.
 """
 
 from __future__ import annotations

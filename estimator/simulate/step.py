@@ -17,6 +17,7 @@ mark categories, switch phases and drive the virtual GPU's autocast.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -156,7 +157,7 @@ def _forward(hooks: StepHooks, model: torch.nn.Module, inputs: Any, targets: Any
         # pure bf16: the copy lives as long as the forward (and what autograd saves of it), as in Fabric
         out = hooks.call(Phase.FORWARD, lambda: apply_model(model, recipe.forward_inputs(inputs, keep)))
         hooks.phase(Phase.LOSS, it)
-        loss = hooks.call(Phase.LOSS, lambda: loss_fn(out, targets))
+        loss = hooks.call(Phase.LOSS, functools.partial(loss_fn, out, targets))
         del out
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise SimulationError("the loss must be a tensor with one element", "loss")

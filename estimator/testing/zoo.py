@@ -127,7 +127,8 @@ def _bert():
 
 
 def _bert_batch(b, device):
-    return {"input_ids": torch.zeros(b, 32, dtype=torch.long, device=device)}, torch.zeros(b, dtype=torch.long, device=device)
+    ids = torch.zeros(b, 32, dtype=torch.long, device=device)
+    return {"input_ids": ids}, torch.zeros(b, dtype=torch.long, device=device)
 
 
 def _seqcls_loss(out, target):
@@ -164,7 +165,8 @@ ZOO = {
     "resnet50": _torchvision("resnet50", 64),
     "vit_b_16": _torchvision("vit_b_16", 224),
     "mobilenet_v3_small": _torchvision("mobilenet_v3_small", 64),
-    "lstm": (LSTMClassifier, lambda b, d: (torch.zeros(b, 12, dtype=torch.long, device=d), torch.zeros(b, dtype=torch.long, device=d)), _ce),
+    "lstm": (LSTMClassifier, lambda b, d: (torch.zeros(b, 12, dtype=torch.long, device=d),
+                                           torch.zeros(b, dtype=torch.long, device=d)), _ce),
     "gpt2": (_gpt2, _tokens(1000, 32), _lm_loss),
     "bert": (_bert, _bert_batch, _seqcls_loss),
     "tied": (TiedLM, _tokens(500, 16), _lm_loss),

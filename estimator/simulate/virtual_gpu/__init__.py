@@ -27,11 +27,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from estimator.errors import DataDependentError
 from estimator.gpus import GPU
-from estimator.simulate.virtual_gpu.worst_case import WorstCase
 from estimator.simulate.virtual_gpu.attention import make_sdpa
 from estimator.simulate.virtual_gpu.device import DeviceProperties, Patches, patch_cuda_queries
 from estimator.simulate.virtual_gpu.engine import Engine, SavedTensors, TensorHooks
 from estimator.simulate.virtual_gpu.fake_mode import FakeMode, Shortcuts
+from estimator.simulate.virtual_gpu.worst_case import WorstCase
 
 __all__ = ["NullObserver", "Observer", "Shortcuts", "VirtualGPU"]
 
@@ -91,7 +91,7 @@ class NullObserver:
 class _DispatchMode(TorchDispatchMode):
     """Sits above FakeTensorMode: ``.item()`` policy, observer."""
 
-    def __init__(self, vgpu: "VirtualGPU") -> None:
+    def __init__(self, vgpu: VirtualGPU) -> None:
         super().__init__()
         self.vgpu = vgpu
 
@@ -148,7 +148,7 @@ class VirtualGPU:
         self._autocast_state: tuple | None = None
 
     # --- lifecycle
-    def __enter__(self) -> "VirtualGPU":
+    def __enter__(self) -> VirtualGPU:
         p = self._patches
         try:
             if not self.cpp_engine:
@@ -226,7 +226,7 @@ class VirtualGPU:
     def autocast(self, dtype: torch.dtype | None) -> None:
         """Switch CUDA's (or CPU's) real autocast policy on for ``dtype``, or off with None.
 
-        ``torch.autocast("cuda")`` turns itself off without a GPU (DESIGN
+        ``torch.autocast("cuda")`` turns itself off without a GPU (docs/DESIGN.md,
         fact 4); the low-level switches give the real policy on fake tensors.
         """
         dev = self.device.type

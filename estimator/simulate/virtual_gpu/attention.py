@@ -1,6 +1,6 @@
 """The SDPA backend the target card would pick.
 
-On fake CUDA tensors ``aten::_fused_sdp_choice`` answers MATH (DESIGN fact 5),
+On fake CUDA tensors ``aten::_fused_sdp_choice`` answers MATH (docs/DESIGN.md, fact 5),
 which materializes B·H·S² attention scores. A real card walks
 ``priority_order`` in aten/src/ATen/native/transformers/cuda/sdp_utils.cpp
 (flash, efficient, math, cudnn in torch 2.14) and takes the first backend
@@ -37,7 +37,7 @@ class SdpaCall:
     requires_grad: bool
 
     @classmethod
-    def of(cls, q, k, v, attn_mask) -> "SdpaCall":
+    def of(cls, q, k, v, attn_mask) -> SdpaCall:
         requires_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         return cls(q.dtype, q.dim(), (q.shape[-1], k.shape[-1], v.shape[-1]), attn_mask is not None, requires_grad)
 

@@ -92,6 +92,7 @@ def patch_cuda_queries(
     patches.set(cuda, "memory_allocated", lambda device=None: allocated())
     patches.set(cuda, "max_memory_allocated", lambda device=None: peak())
     patches.set(cuda, "reset_peak_memory_stats", lambda device=None: reset_peak())
-    patches.set(cuda, "mem_get_info", told("mem_get_info", lambda: (props.total_memory - allocated(), props.total_memory)))
+    free_total = told("mem_get_info", lambda: (props.total_memory - allocated(), props.total_memory))
+    patches.set(cuda, "mem_get_info", free_total)
     patches.set(cuda, "empty_cache", empty_cache)
     patches.set(torch.backends.cuda, "is_built", lambda: True)

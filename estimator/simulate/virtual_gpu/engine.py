@@ -1,7 +1,7 @@
 """A Python autograd engine with the C++ engine's memory semantics.
 
 On a host without a GPU the C++ engine refuses fake CUDA tensors
-("hasPrimaryContext expects a valid device index", DESIGN fact 2), while
+("hasPrimaryContext expects a valid device index", docs/DESIGN.md fact 2), while
 calling a node directly, ``node(*grads)``, works. ``Engine.run_backward`` is a
 drop-in for ``torch.autograd.graph._engine_run_backward`` that follows
 torch/csrc/autograd/engine.cpp step by step, because the order in which
@@ -310,7 +310,7 @@ class Engine:
                 group.__exit__(None, None, None)
         if not accumulate_grad:
             if not allow_unreachable:
-                for i, g in enumerate(captured):
+                for g in captured:
                     if g is None:
                         raise RuntimeError(
                             "One of the differentiated Tensors appears to not have been used in the "
@@ -560,7 +560,7 @@ class Engine:
             result = (result,)
         is_tensor = getattr(fn, "_batchfit_is_tensor_input", None)
         if is_tensor is not None:
-            outputs = [r for r, keep in zip(result, is_tensor) if keep]
+            outputs = [r for r, keep in zip(result, is_tensor, strict=False) if keep]  # extra outputs follow
             extra = result[len(is_tensor):]
             if any(r is not None for r in extra):
                 raise RuntimeError(
@@ -632,7 +632,7 @@ def _obeys_layout_contract(grad: torch.Tensor, variable: torch.Tensor) -> bool:
     if variable.is_sparse:
         return False
     if is_non_overlapping_and_dense(variable):
-        for size, gs, vs in zip(grad.shape, grad.stride(), variable.stride()):
+        for size, gs, vs in zip(grad.shape, grad.stride(), variable.stride(), strict=True):
             if size != 1:
                 if gs != vs:
                     return False

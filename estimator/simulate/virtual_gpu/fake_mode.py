@@ -19,7 +19,6 @@ import torch
 from torch._prims_common import is_non_overlapping_and_dense_or_false as is_non_overlapping_and_dense
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, _BypassDispatchCache
 
-
 # torch._foreach_* ops whose i-th output has the i-th input's shape, dtype and layout.
 _FOREACH_ELEMENTWISE = frozenset({
     "add", "sub", "mul", "div", "addcmul", "addcdiv", "lerp", "sqrt", "neg", "abs", "reciprocal", "exp",
@@ -125,7 +124,7 @@ class FakeMode(FakeTensorMode):
         for tensors in lists:
             if len(tensors) != len(first):
                 return NotImplemented
-            for t, f in zip(tensors, first):
+            for t, f in zip(tensors, first, strict=True):
                 if (not isinstance(t, FakeTensor) or t.fake_mode is not self or t.device.type == "cpu"
                         or t.dtype != f.dtype or t.shape != f.shape or t.stride() != f.stride()):
                     return NotImplemented

@@ -89,7 +89,8 @@ class WorstCase:
             self.bounds[out] = min(out.numel(), self.bound(args[0]) + written)
         elif func in _COPIES and isinstance(args[0], torch.Tensor) and args[0] in self.bounds:
             self.bounds[out] = self.bound(args[0])
-        elif func in _UNIONS and len(args) >= 2 and all(isinstance(a, torch.Tensor) and a in self.bounds for a in args[:2]):
+        elif func in _UNIONS and len(args) >= 2 and all(isinstance(a, torch.Tensor) and a in self.bounds
+                                                        for a in args[:2]):
             self.bounds[out] = min(out.numel(), self.bound(args[0]) + self.bound(args[1]))
         elif func in _INTERSECTIONS and len(args) >= 2:
             known = [self.bound(a) for a in args[:2] if isinstance(a, torch.Tensor) and a in self.bounds]
