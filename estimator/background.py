@@ -64,7 +64,7 @@ class Background:
 
     def result(self, timeout: float) -> Any | None:
         """The child's value, or None: failed, not done within ``timeout`` seconds (killed), or unpicklable."""
-        if self.pid is None:
+        if self.pid is None or self.fd is None:
             return None
         try:
             if not select.select([self.fd], [], [], timeout)[0]:

@@ -8,7 +8,7 @@ does not care which it asks.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -31,7 +31,7 @@ Progress = Callable[[int, str], None]
 CHECK_OFFSET = 7
 
 
-def backends_key(calls: list[SdpaCall], gpu: GPU, thresholds: list[tuple[int, int]] = ()) -> str:
+def backends_key(calls: list[SdpaCall], gpu: GPU, thresholds: Sequence[tuple[int, int]] = ()) -> str:
     """The attention backends a step's SDPA calls get on ``gpu``, comma-joined ('' without SDPA), then
     which side of each capability threshold of the step's kernels the card is on (';sm8.0+', ';sm8.0-')."""
     key = ",".join(backend_for(c, gpu.capability).name for c in calls)
@@ -174,8 +174,11 @@ class Simulator(ReplayCache):
             return self.report(batch, gpu)
         key = (batch, gpu)
         if key not in self._reports:
-            self._reports[key] = self.step_report(profile, batch, gpu, self._probe.unsupported,
-                                                  self._probe.assumptions)
+            # the notes of a full simulation of this signature (the profile was fitted through two), not of
+            # whichever card simulated first: a V100's bf16 step has no cuDNN convolutions, an A100's has
+            sig = self.signature(gpu)
+            like = next(t for (_, s), t in self.traces.items() if s == sig)
+            self._reports[key] = self.step_report(profile, batch, gpu, like.unsupported, like.assumptions)
         return self._reports[key]
 
     def flops(self, batch: int, gpu: GPU, start: int) -> int:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from estimator.errors import SpecError
-from estimator.request.spec import EstimateRequest
+from estimator.request.spec import EstimateRequest, TimmModel, TorchvisionModel, TransformersModel
 
 
 @dataclass
@@ -42,22 +42,22 @@ class BuiltModel:
 
 def build(request: EstimateRequest) -> BuiltModel:
     """Build the request's model on the meta device (checks names, kwargs, input limits)."""
-    source = request.model.source
-    if source == "torchvision":
+    model = request.model
+    if isinstance(model, TorchvisionModel):
         from estimator.models.torchvision_models import build_torchvision
 
-        return build_torchvision(request.model, request.input)
-    if source == "timm":
+        return build_torchvision(model, request.input)
+    if isinstance(model, TimmModel):
         from estimator.models.timm_models import build_timm
 
-        return build_timm(request.model, request.input)
-    if source == "transformers":
+        return build_timm(model, request.input)
+    if isinstance(model, TransformersModel):
         from estimator.models.transformers_models import build_transformers
 
-        return build_transformers(request.model, request.input)
+        return build_transformers(model, request.input)
     from estimator.models.custom import build_custom
 
-    return build_custom(request.model, request.input)
+    return build_custom(model, request.input)
 
 
 def unknown_name(field_name: str, name: str, known: list[str], what: str) -> SpecError:

@@ -27,7 +27,7 @@ def load_factory(ref: str, field_name: str = "model.factory"):
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise SpecError(field_name, ref, f"an importable module ({exc})") from exc
-    obj = module
+    obj: Any = module
     for part in attr.split("."):
         obj = getattr(obj, part, None)
         if obj is None:

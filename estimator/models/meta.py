@@ -43,10 +43,13 @@ def _register_on_meta() -> Iterator[None]:
             tensor = tensor.to("meta")
         register_buffer(self, name, tensor, persistent)
 
-    module.register_parameter, module.register_buffer = parameter_on_meta, buffer_on_meta
+    originals = {"register_parameter": register_parameter, "register_buffer": register_buffer}
+    for name, on_meta in (("register_parameter", parameter_on_meta), ("register_buffer", buffer_on_meta)):
+        setattr(module, name, on_meta)
     try:
         yield
     finally:
-        module.register_parameter, module.register_buffer = register_parameter, register_buffer
+        for name, original in originals.items():
+            setattr(module, name, original)
 
 

@@ -11,7 +11,7 @@ the positions or keys of ``inputs`` that pure bf16 leaves in their dtype
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +44,18 @@ def segmentation_images(channels: int, height: int, width: int) -> Callable:
     return make
 
 
+class _DetectionBatches:
+    """A list of images and a list of target dicts, as torchvision's detection models train on."""
+
+    keep_dtype = (1,)  # the targets: torchvision's roi_heads.check_targets refuses bf16 boxes
+
+    def __init__(self, make: Callable[[int, Any], Any]) -> None:
+        self.make = make
+
+    def __call__(self, b: int, device: Any) -> Any:
+        return self.make(b, device)
+
+
 def detection(channels: int, height: int, width: int, objects: int, keypoints: int | None, masks: bool) -> Callable:
     """A list of images and a list of target dicts, as torchvision's detection models train on."""
     def make(b: int, device: Any):
@@ -60,8 +72,7 @@ def detection(channels: int, height: int, width: int, objects: int, keypoints: i
                 t["keypoints"] = torch.zeros(objects, keypoints, 3, device=device)  # (N, K, [x, y, visible])
             targets.append(t)
         return (images, targets), None
-    make.keep_dtype = (1,)  # torchvision's roi_heads.check_targets refuses bf16 boxes
-    return make
+    return _DetectionBatches(make)
 
 
 def classification_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
@@ -90,7 +101,7 @@ def segmentation_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
 def model_loss(out: Any, target: Any) -> torch.Tensor:
     """The loss a model computes itself (transformers with ``labels``, detection)."""
     if isinstance(out, dict) and not hasattr(out, "loss"):
-        return sum(out.values())  # torchvision detection: a dict of losses
+        return cast(torch.Tensor, sum(out.values()))  # torchvision detection: a dict of losses
     return out.loss
 
 

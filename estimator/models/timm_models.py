@@ -8,6 +8,7 @@ size (``img_size`` in kwargs), which the request is checked against.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 from estimator.errors import SpecError
 from estimator.models import BuiltModel, count_parameters, probe, refuse_downloads, tasks, unknown_name
@@ -23,7 +24,7 @@ def build_timm(spec: TimmModel, inp: InputSpec) -> BuiltModel:
     base = spec.name.split(".", 1)[0]
     if not timm.is_model(base):
         raise unknown_name("model.name", spec.name, timm.list_models(), "a name in timm.list_models()")
-    kwargs = dict(spec.kwargs)
+    kwargs: dict[str, Any] = dict(spec.kwargs)
     refuse_downloads(kwargs, "model.kwargs", _NO_FILES)
     factory = functools.partial(timm.create_model, spec.name, pretrained=False, **kwargs)
     model = probe(factory, "model.kwargs", spec.kwargs)

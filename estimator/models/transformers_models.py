@@ -16,7 +16,7 @@ import torch
 
 from estimator.errors import SpecError
 from estimator.models import BuiltModel, count_parameters, probe, tasks, unknown_name
-from estimator.request.spec import InputSpec, TransformersModel
+from estimator.request.spec import InputSpec, Task, TransformersModel
 
 # The Auto class that builds each task's head.
 AUTO_CLASSES = {
@@ -27,7 +27,7 @@ AUTO_CLASSES = {
     "image-classification": "AutoModelForImageClassification",
 }
 # The task a config's ``architectures`` entry trains.
-_ARCH_TASK = (
+_ARCH_TASK: tuple[tuple[str, Task], ...] = (
     ("ForCausalLM", "causal-lm"), ("LMHeadModel", "causal-lm"), ("ForMaskedLM", "masked-lm"),
     ("ForConditionalGeneration", "seq2seq-lm"), ("ForSequenceClassification", "sequence-classification"),
     ("ForImageClassification", "image-classification"),

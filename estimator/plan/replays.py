@@ -18,11 +18,11 @@ class ReplayCache:
 
     def __init__(self, reserve_bytes: int = 0) -> None:
         self.reserve_bytes = reserve_bytes  # kept free on every card besides the CUDA context
-        self._capped: dict[tuple, ReplayResult] = {}
-        self._unlimited: dict[tuple, ReplayResult] = {}
+        self._capped: dict[tuple[tuple[int, int, int], int], ReplayResult] = {}  # ((step, batch, workspace), cap)
+        self._unlimited: dict[tuple[int, int, int], ReplayResult] = {}
 
     @staticmethod
-    def _sized(step: Step, batch: int, workspace: int) -> tuple[list, list[int], list[str]]:
+    def _sized(step: Step, batch: int, workspace: int) -> tuple[list[tuple[bool, int]], list[int], list[str]]:
         if isinstance(step, Trace):
             return step.events, step.sizes(workspace), step.categories()
         return step.events, step.sizes_at(batch, workspace), step.categories

@@ -145,7 +145,7 @@ def aligned_within(fits: Callable[[int], bool], room: int, align: bool = True) -
     >>> aligned_within(lambda b: b != 192, 199)
     184
     """
-    b = recommended(room, align)
+    b = _aligned(room, align)
     while b != room and not fits(b):
         lower = b - ALIGNMENT
         b = lower if (room - lower) / room < ALIGNMENT_MAX_COST else room
@@ -154,7 +154,11 @@ def aligned_within(fits: Callable[[int], bool], room: int, align: bool = True) -
 
 def recommended(max_size: int | None, align: bool = True) -> int | None:
     """``max_size`` rounded down to a multiple of 8 when that gives up less than 10%."""
-    if max_size is None or not align or max_size < ALIGNMENT:
+    return None if max_size is None else _aligned(max_size, align)
+
+
+def _aligned(max_size: int, align: bool) -> int:
+    if not align or max_size < ALIGNMENT:
         return max_size
     aligned = max_size // ALIGNMENT * ALIGNMENT
     return aligned if (max_size - aligned) / max_size < ALIGNMENT_MAX_COST else max_size

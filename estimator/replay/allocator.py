@@ -194,12 +194,13 @@ class _Allocator:
         self.next_addr += size + (1 << 20)
         return b
 
-    def _release_segments(self, predicate) -> int:
+    def _release_segments(self) -> int:
+        """Release every cached whole segment (release_cached_blocks); the bytes released."""
         freed = 0
         for small in (True, False):
             for _size, addr in list(self.pools[small]):
                 b = self.blocks[addr]
-                if b.prev is None and b.next is None and predicate(b):
+                if b.prev is None and b.next is None:
                     self._remove(b)
                     self.reserved -= b.size
                     freed += b.size
@@ -251,7 +252,7 @@ class _Allocator:
                 block = self._cuda_malloc(small, alloc)
             if block is None:
                 self.flushes += 1
-                self._release_segments(lambda b: True)
+                self._release_segments()
                 block = self._cuda_malloc(small, alloc)
             if block is None:
                 return None
@@ -303,6 +304,7 @@ class _Allocator:
                 return None
         self.reserved += grow
         if have:
+            assert tail is not None  # a free tail to grow
             self._remove(tail)
             tail.size += grow
             block = tail
@@ -407,7 +409,7 @@ def replay_sized(events: Sequence[tuple[bool, int]], sizes: Sequence[int], categ
                     break
             elif categories[k] == EMPTY_CACHE:
                 if not config.expandable_segments:  # expandable: its pages stay mapped (see _malloc_expandable)
-                    a._release_segments(lambda b: True)
+                    a._release_segments()
                 block = None
             else:
                 block = malloc(nbytes, True)

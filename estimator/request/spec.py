@@ -12,6 +12,7 @@ translated here, at one seam (``parse_request``).
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -250,7 +251,7 @@ def parse_request(data: Any, *, allow_local_code: bool = False) -> EstimateReque
     return req
 
 
-def _expected(err: dict) -> str:
+def _expected(err: Mapping[str, Any]) -> str:
     kind, ctx, msg = err["type"], err.get("ctx", {}), err["msg"]
     if kind == "missing":
         return "a value (the field is required)"

@@ -9,6 +9,7 @@ in ``torch.utils.checkpoint.checkpoint`` (what fairscale/FSDP's
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -31,7 +32,8 @@ def enable_checkpointing(model: torch.nn.Module, mode: bool | str) -> str:
     reentrant = mode == "reentrant"
     flavour = "reentrant" if reentrant else "non-reentrant"
     if getattr(model, "supports_gradient_checkpointing", False) and hasattr(model, "gradient_checkpointing_enable"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        enable: Any = model.gradient_checkpointing_enable
+        enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
         return f"gradient checkpointing: transformers' per-layer checkpointing ({flavour})"
     found = _block_container(model)
     if found is None:
@@ -40,7 +42,8 @@ def enable_checkpointing(model: torch.nn.Module, mode: bool | str) -> str:
             "a model with a ModuleList/Sequential of at least 2 blocks, or a transformers model",
         )
     name, container = found
-    for block in container:
+    blocks: list[torch.nn.Module] = list(container.children())
+    for block in blocks:
         forward = block.forward
 
         @functools.wraps(forward)
@@ -48,4 +51,4 @@ def enable_checkpointing(model: torch.nn.Module, mode: bool | str) -> str:
             return checkpoint(_forward, *args, use_reentrant=reentrant, **kwargs)
 
         block.forward = wrapped
-    return f"gradient checkpointing: each of the {len(container)} blocks of '{name or 'model'}' ({flavour})"
+    return f"gradient checkpointing: each of the {len(blocks)} blocks of '{name or 'model'}' ({flavour})"

@@ -144,7 +144,7 @@ class VirtualGPU:
         self._patches = Patches()
         self._fake: FakeMode | None = None
         self._mode: _DispatchMode | None = None
-        self._hooks_ctx = None
+        self._hooks_ctx: contextlib.AbstractContextManager[Any] | None = None
         self._autocast_state: tuple | None = None
 
     # --- lifecycle
@@ -159,7 +159,7 @@ class VirtualGPU:
                 p.set(torch.autograd, "_engine_run_backward", engine_run)
             p.set(torch.Tensor, "register_hook", self._wrap_register_hook(torch.Tensor.register_hook))
             p.set(torch.autograd.function.Function, "apply", self._wrap_function_apply())
-            if self.is_cuda:
+            if self.gpu is not None:
                 props = DeviceProperties(
                     name=self.gpu.name, major=self.capability[0], minor=self.capability[1],
                     total_memory=self.gpu.memory_bytes,

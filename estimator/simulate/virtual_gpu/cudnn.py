@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -114,7 +115,7 @@ class ConvWorkspaces:
     thresholds: set[tuple[int, int]] = field(default_factory=set)  # capabilities the choices turned on
     calls: int = 0
 
-    def actions(self, name: str, args: tuple, out: object, thread: str) -> list[tuple[str, int]]:
+    def actions(self, name: str, args: tuple[Any, ...], out: Any, thread: str) -> list[tuple[str, int]]:
         if name == "convolution":
             inp, weight, transposed, groups = args[0], args[1], bool(args[6]), int(args[8])
             geometry = tuple(tuple(a) for a in args[3:6])  # stride, padding, dilation

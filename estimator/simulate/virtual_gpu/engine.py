@@ -98,7 +98,7 @@ class _Packed:
     __slots__ = ("tensor", "seq", "__weakref__")
 
     def __init__(self, tensor: torch.Tensor, seq: int | None) -> None:
-        self.tensor = tensor
+        self.tensor: torch.Tensor | None = tensor
         self.seq = seq  # None: owned by a checkpoint frame, not by a node
 
 
@@ -170,14 +170,14 @@ class SavedTensors:
         alive = []
         for frame_ref, packs in self._frames:
             frame = frame_ref()
-            if frame is None or not any(p() is not None and p().tensor is not None for p in packs):
+            if frame is None or not any((q := p()) is not None and q.tensor is not None for p in packs):
                 continue
             if frame.is_recomputed and all(
                 h() is None or all(v is None for v in h().handles.values()) for h in frame.weak_holders
             ):
                 for p in packs:
-                    if p() is not None:
-                        p().tensor = None
+                    if (q := p()) is not None:
+                        q.tensor = None
                 continue
             alive.append((frame_ref, packs))
         self._frames = alive
@@ -193,9 +193,9 @@ class SavedTensors:
             if packed.seq is not None and (packed.seq == seq or packed.seq not in graph_seqs):
                 packed.tensor = None
         for ref in self.by_seq.pop(seq, ()):
-            packed = ref()
-            if packed is not None:
-                packed.tensor = None
+            held = ref()
+            if held is not None:
+                held.tensor = None
         if self._frames:
             self._release_dead_frames()
 
@@ -206,14 +206,14 @@ class TensorHooks:
     """Tensor hooks (``Tensor.register_hook``) indexed by the node they run on."""
 
     def __init__(self) -> None:
-        self.by_node: dict[int, tuple[Any, list[tuple[int, dict]]]] = {}
+        self.by_node: dict[int, tuple[Any, list[tuple[int, dict[int, Any]]]]] = {}
 
     def add(self, tensor: torch.Tensor) -> None:
         node = _get_grad_fn_or_grad_acc(tensor)
         nr = 0 if tensor.grad_fn is None else tensor.output_nr
         entry = self.by_node.setdefault(id(node), (node, []))
         hooks = tensor._backward_hooks
-        if all(h is not hooks for _, h in entry[1]):
+        if hooks is not None and all(h is not hooks for _, h in entry[1]):
             entry[1].append((nr, hooks))
 
     def run(self, node: Any, inputs: list) -> list:
@@ -429,6 +429,7 @@ class Engine:
                 if child and e is None:
                     e = info[ck] = _ExecInfo()
                 if child:
+                    assert e is not None
                     e.needed = True
                 seen[ck] = own or child
             needed = seen[key]
