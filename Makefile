@@ -2,16 +2,31 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 
-.PHONY: test serve bench clean
+.PHONY: test test-fast test-all lint typecheck check serve bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
-test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider tests
+# Everything: lint, types and every test tier (what CI runs).
+test: lint typecheck test-all
+
+# Every test tier: unit, sim, zoo, service (gpu tests skip without a CUDA GPU).
+test-all: $(STAMP)
+	$(PYTEST) tests
+
+# The quick loop: unit and small-zoo simulation tests (no full model zoo, no service workers).
+test-fast: $(STAMP)
+	$(PYTEST) -m "unit or sim" tests
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
 
 serve: $(STAMP)
 	$(VENV)/bin/batchfit serve --host 127.0.0.1 --port 8000

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from app.cache import cache_key
 from app.errors import error_problem, problem, problem_responses
 from app.worker import Reply, ReplyKind
-from estimator import EstimateRequest, EstimateResponse, catalog, parse_request
+from estimator import EstimateRequest, EstimateResponse, catalog, check_request
 from estimator.errors import BatchfitError, Busy, LimitExceeded
 
 router = APIRouter()
@@ -36,14 +36,13 @@ async def post_estimate(
                                                                           "value": EXAMPLE}})],
 ) -> Any:
     app = request.app
-    # FastAPI validated the body against the schema; parse_request adds the rules it cannot express
+    # FastAPI parsed the body against the schema, once; check_request adds the rules it cannot express
     # (no local code over HTTP, a transformers model names a preset or a config). BatchfitErrors raised
-    # here are rendered by app.errors.on_batchfit_error.
-    normalized = parse_request(body.model_dump(mode="json"), allow_local_code=False)
-    data = normalized.model_dump(mode="json")
-    if normalized.validate_step:
-        return await _validate(app, data)
-    key = cache_key(data)
+    # here are rendered by app.errors.on_batchfit_error. The worker gets the parsed request itself.
+    check_request(body, allow_local_code=False)
+    if body.validate_step:
+        return await _validate(app, body)
+    key = cache_key(body.model_dump(mode="json"))
     hit = app.state.cache.get(key) if app.state.cache else None
     if hit is not None:
         app.state.metrics.cache_hits.inc()
@@ -51,7 +50,7 @@ async def post_estimate(
 
     async def compute() -> Reply:
         app.state.metrics.cache_misses.inc()
-        return await _in_pool(app, data)
+        return await _in_pool(app, body)
 
     try:
         reply = await app.state.flights.run(key, compute)
@@ -64,11 +63,11 @@ async def post_estimate(
     return _reply_problem(reply)
 
 
-async def _validate(app: Any, data: dict[str, Any]) -> Any:
+async def _validate(app: Any, body: EstimateRequest) -> Any:
     """One validation at a time on this node's GPU; never cached (it is a measurement)."""
     async with app.state.gpu_lock:
         try:
-            reply = await _in_pool(app, data)
+            reply = await _in_pool(app, body)
         except Refused as refused:
             return refused.response()
     if reply.kind == ReplyKind.OK:
@@ -88,12 +87,12 @@ class Refused(Exception):
         return error_problem(self.error, self.headers)
 
 
-async def _in_pool(app: Any, data: dict[str, Any]) -> Reply:
-    """Run ``data`` in a worker, with the metrics; ``Refused`` when busy or past a limit."""
+async def _in_pool(app: Any, body: EstimateRequest) -> Reply:
+    """Run ``body`` in a worker, with the metrics; ``Refused`` when busy or past a limit."""
     metrics, t0 = app.state.metrics, time.perf_counter()
     metrics.workers_busy.inc()
     try:
-        reply: Reply = await app.state.pool.run(data)
+        reply: Reply = await app.state.pool.run(body)
         return reply
     except Busy:
         s = app.state.settings

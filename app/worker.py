@@ -1,7 +1,7 @@
 """The worker process side of the pool: one estimate at a time, never crashing the parent.
 
-Each worker imports torch once (warm) and answers ``(job_id, request_json)``
-messages with a ``Reply``:
+Each worker imports torch once (warm) and answers ``(job_id, request)``
+messages (an ``EstimateRequest`` the service parsed, sent pickled) with a ``Reply``:
 
 - ``OK``: the response's JSON (docs/API.md), with ``validation`` when the request asked for one;
 - ``ERROR``: one of batchfit's errors as its class name and fields (``BatchfitError.fields``), rebuilt
@@ -9,8 +9,8 @@ messages with a ``Reply``:
   ``LimitExceeded('memory')`` when the worker ran out of memory;
 - ``INTERNAL``: any other exception's type and message (a batchfit defect: 500).
 
-Requests come as JSON data only: custom factories are refused by
-``parse_request`` (no local code over the network).
+Requests are data only: custom factories are refused by ``check_request``
+here as in the route (no local code over the network).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from enum import StrEnum
 from multiprocessing.connection import Connection
 from typing import Any
 
-from estimator import errors
+from estimator import EstimateRequest, errors
 
 
 class ReplyKind(StrEnum):
@@ -58,7 +58,7 @@ class Reply:
 def serve(conn: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when workers stop
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    from estimator import estimate, parse_request, to_json, validate_on_gpu, validation_json
+    from estimator import check_request, estimate, parse_request, to_json, validate_on_gpu, validation_json
 
     conn.send(("ready", os.getpid()))
     while True:
@@ -70,7 +70,8 @@ def serve(conn: Connection) -> None:
             return
         job_id, body = message
         try:
-            request = parse_request(body, allow_local_code=False)
+            request = (check_request(body, allow_local_code=False) if isinstance(body, EstimateRequest)
+                       else parse_request(body, allow_local_code=False))
             if request.validate_step:
                 response, validation = validate_on_gpu(request)
                 reply = Reply(job_id, ReplyKind.OK, {**to_json(response), "validation": validation_json(validation)})

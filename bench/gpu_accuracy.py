@@ -18,53 +18,8 @@ import statistics
 import sys
 import time
 
-LLAMA_1B = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
-            "num_attention_heads": 32, "num_key_value_heads": 4, "vocab_size": 32000,
-            "max_position_embeddings": 2048, "architectures": ["LlamaForCausalLM"]}
+from estimator.testing.gpu_cases import CASES, MAX_BATCH_CASES  # the suite, shared with its test
 
-
-def _case(name, model, batch, precision="fp32", optimizer="adamw", checkpointing=False, training=None, **inp):
-    return name, batch, {"model": model, "input": inp, "training": {
-        "precision": precision, "optimizer": {"name": optimizer}, "gradient_checkpointing": checkpointing,
-        **(training or {})}, "planner": {"confirm": "none", "curve_points": 0}}
-
-
-TV = lambda n: {"source": "torchvision", "name": n}  # noqa: E731
-HF = lambda p, **k: {"source": "transformers", "preset": p, **k}  # noqa: E731
-
-CASES = [
-    _case("resnet50 fp32 sgd", TV("resnet50"), 128, optimizer="sgd"),
-    _case("resnet50 amp-bf16 adamw", TV("resnet50"), 256, "amp-bf16"),
-    _case("resnet50 amp-fp16 adamw", TV("resnet50"), 256, "amp-fp16"),
-    _case("resnet50 bf16 adamw", TV("resnet50"), 256, "bf16"),
-    # the cuDNN workspace bound (im2col) and the benchmark search: unmeasured so far
-    _case("resnet50 amp-bf16 cudnn.benchmark", TV("resnet50"), 256, "amp-bf16", training={"cudnn_benchmark": True}),
-    _case("vit_b_16 amp-bf16", TV("vit_b_16"), 128, "amp-bf16"),
-    _case("vit_b_16 fp32 ckpt", TV("vit_b_16"), 64, checkpointing=True),
-    _case("vit_l_16 amp-bf16", TV("vit_l_16"), 32, "amp-bf16"),
-    # rasbt/pytorch-memory-optim's loop (tests/test_published.py): zero_grad between the loss and backward
-    _case("vit_l_16 fp32 adam zero_grad after-forward", TV("vit_l_16"), 64, optimizer="adam",
-          training={"zero_grad_at": "after-forward"}),
-    _case("convnext_tiny amp-bf16", TV("convnext_tiny"), 128, "amp-bf16"),
-    _case("convnext_base fp32 sgd", TV("convnext_base"), 32, optimizer="sgd"),
-    _case("efficientnet_b0 amp-fp16", TV("efficientnet_b0"), 128, "amp-fp16"),
-    _case("efficientnet_b3 fp32", TV("efficientnet_b3"), 32),
-    _case("bert-base amp-bf16", HF("bert-base-uncased"), 32, "amp-bf16", seq_len=512),
-    _case("bert-base fp32 sgd", HF("bert-base-uncased"), 16, optimizer="sgd", seq_len=512),
-    _case("bert-large amp-fp16", HF("bert-large-uncased"), 16, "amp-fp16", seq_len=512),
-    _case("bert-large fp32 ckpt", HF("bert-large-uncased"), 16, checkpointing=True, seq_len=512),
-    _case("gpt2 amp-bf16", HF("gpt2"), 16, "amp-bf16", seq_len=1024),
-    _case("gpt2 bf16", HF("gpt2"), 16, "bf16", seq_len=1024),
-    _case("gpt2 eager fp32", HF("gpt2", attn_implementation="eager"), 8, seq_len=1024),
-    _case("gpt2-medium amp-bf16", HF("gpt2-medium"), 8, "amp-bf16", seq_len=1024),
-    _case("gpt2-medium amp-bf16 ckpt", HF("gpt2-medium"), 16, "amp-bf16", checkpointing=True, seq_len=1024),
-    _case("llama-1b amp-bf16", {"source": "transformers", "config": LLAMA_1B, "task": "causal-lm"}, 4,
-          "amp-bf16", seq_len=2048),
-    _case("llama-1b bf16 ckpt", {"source": "transformers", "config": LLAMA_1B, "task": "causal-lm"}, 8,
-          "bf16", checkpointing=True, seq_len=2048),
-]
-MAX_BATCH_CASES = ["resnet50 amp-bf16 adamw", "vit_b_16 amp-bf16", "bert-base amp-bf16", "gpt2 amp-bf16",
-                   "llama-1b bf16 ckpt"]
 FIELDS = ("allocated_peak_bytes", "reserved_peak_bytes", "device_peak_bytes")
 GIB = 2**30
 
@@ -148,15 +103,11 @@ def _bisect_real_max(source, request_json: dict, predicted: int, probes: int = 5
 def _cpu_selfcheck() -> int:
     """CPU-target predictions vs real CPU steps (peak live bytes from torch.profiler) on two small cases.
 
-    The cases and the measurement are the test suite's (tests/zoo.py, tests/test_cpu_truth.py).
+    The cases and the measurement are the test suite's (estimator/testing: zoo.py, cpu_truth.py).
     """
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from test_cpu_truth import BATCH, _real_peak
-
     from estimator.pipeline import estimate_memory
     from estimator.request.recipe import Recipe
+    from estimator.testing.cpu_truth import BATCH, real_cpu_peak
     from estimator.testing.zoo import ZOO
 
     worst = 0.0
@@ -164,7 +115,7 @@ def _cpu_selfcheck() -> int:
         recipe = Recipe(optimizer="adamw")
         mf, bf, lf = ZOO[name]
         predicted = estimate_memory(mf, bf, lf, BATCH, recipe=recipe, gpu=None).allocated_peak_bytes
-        measured = _real_peak(name, recipe)
+        measured = real_cpu_peak(name, recipe)
         err = (predicted - measured) / measured
         worst = max(worst, abs(err))
         print(f"{name:<6} predicted {predicted:>10,} B  measured {measured:>10,} B  error {err:+.2%}")

@@ -8,17 +8,13 @@ a warm process (after one small simulation), as a service worker runs it.
 from __future__ import annotations
 
 import resource
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from estimator.replay.report import estimate_memory  # noqa: E402
-from estimator.request.recipe import Recipe  # noqa: E402
+from estimator.pipeline import estimate_memory
+from estimator.request.recipe import Recipe
 
 
 def resnet50():

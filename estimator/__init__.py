@@ -33,6 +33,7 @@ _PUBLIC = {
     "estimate_from_profile": "estimator.pipeline",
     "make_profile": "estimator.pipeline",
     "parse_request": "estimator.request.spec",
+    "check_request": "estimator.request.spec",
     "EstimateRequest": "estimator.request.spec",
     "describe_validation_error": "estimator.request.spec",
     "EstimateResponse": "estimator.plan.results",

@@ -102,9 +102,8 @@ def test_gpu_accuracy_harness_on_this_machine() -> None:
         assert run().returncode == 4  # the GPU suite refuses to run without a GPU
 
 
-def test_gpu_accuracy_suite_covers_the_issue() -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    from gpu_accuracy import CASES, MAX_BATCH_CASES
+def test_gpu_accuracy_suite_covers_every_family_and_recipe() -> None:
+    from estimator.testing.gpu_cases import CASES, MAX_BATCH_CASES
 
     assert len(CASES) >= 20 and len(MAX_BATCH_CASES) == 5
     names = " ".join(name for name, _, _ in CASES)

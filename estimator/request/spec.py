@@ -243,6 +243,12 @@ def parse_request(data: Any, *, allow_local_code: bool = False) -> EstimateReque
         value = None if err["type"] == "missing" else err.get("input", _lookup(data, loc))
         expected = " or ".join(dict.fromkeys(_expected(e) for e in chosen))
         raise SpecError(_path(loc) or "(body)", value, expected) from exc
+    return check_request(req, allow_local_code=allow_local_code)
+
+
+def check_request(req: EstimateRequest, *, allow_local_code: bool = False) -> EstimateRequest:
+    """The rules the schema cannot state, on a request pydantic already validated (FastAPI's body):
+    no local code unless allowed, and a transformers model names a preset or a config."""
     if isinstance(req.model, CustomModel) and not allow_local_code:
         raise SpecError("model.source", "custom", "torchvision, timm or transformers (custom factories run "
                         "only from the library or the CLI's --model, never from a request)")

@@ -1,0 +1,50 @@
+"""Real CPU training steps, measured: the truth the CPU-target predictions are checked against.
+
+The loop is the simulation's own (estimator/simulate/step.py), run for real
+on the CPU under torch.profiler; the peak is that of live bytes of the CPU
+allocator (tests/test_cpu_truth.py, bench/gpu_accuracy.py --cpu-selfcheck).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from estimator.request.recipe import Recipe
+from estimator.testing.zoo import ZOO
+
+BATCH = 4
+
+
+def real_cpu_peak(name: str, recipe: Recipe, batch: int = BATCH) -> int:
+    """Peak live bytes of the CPU allocator over the loop the simulator runs, run for real.
+
+    oneDNN stays off: its bf16 convolutions allocate a scratchpad of their own
+    through the CPU allocator (80 KB forward, 110 KB backward for ``conv`` at
+    batch 4), CPU-only memory with no GPU counterpart (the GPU's convolution
+    workspace is cuDNN's, modelled on its own); fp32 takes the same native path
+    here either way.
+    """
+    from estimator.simulate.step import cast_model, prepare, run_steps
+
+    mf, bf, lf = ZOO[name]
+    torch.manual_seed(0)
+    profiling = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+    with torch.backends.mkldnn.flags(enabled=False), profiling as prof:
+        # the loop the simulation runs (estimator/simulate/step.py), for real on the CPU
+        training = prepare(cast_model(mf(), recipe), recipe)
+        run_steps(training, bf, lf, batch, recipe, torch.device("cpu"))
+        del training
+    from torch._C._profiler import _EventType
+
+    allocations = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.tag == _EventType.Allocation:
+            allocations.append((node.start_time_ns, node.extra_fields.alloc_size))
+        stack.extend(node.children)
+    live = peak = 0
+    for _, delta in sorted(allocations):
+        live += delta
+        peak = max(peak, live)
+    return peak
