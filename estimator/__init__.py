@@ -8,7 +8,8 @@ The public facade: the service (``app/``) and the CLI import only what is
 named here. Nothing is imported at import time (torch loads lazily, when a
 name that needs it is first used).
 
-The layers, top to bottom (docs/DESIGN.md):
+The layers, in the order a request passes through them (docs/DESIGN.md has
+who imports whom):
 
     pipeline      one request end to end
     request/      the request schema, its limits, the recipe
@@ -24,7 +25,7 @@ from __future__ import annotations
 from importlib import import_module
 from typing import Any
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 # name -> the module that defines it (module:name where the names differ)
 _PUBLIC = {

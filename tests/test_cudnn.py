@@ -1,4 +1,4 @@
-"""cuDNN convolution workspaces (estimator/virtual_gpu/cudnn.py) and their replay."""
+"""cuDNN convolution workspaces (estimator/simulate/virtual_gpu/cudnn.py) and their replay."""
 
 from __future__ import annotations
 

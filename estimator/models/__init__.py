@@ -1,6 +1,6 @@
 """Model builders: a request's ``model`` and ``input`` -> what the simulator runs.
 
->>> from estimator.spec import parse_request                                  # doctest: +SKIP
+>>> from estimator import parse_request                                          # doctest: +SKIP
 >>> built = build(parse_request({"model": {"source": "timm", "name": "resnet18"}}))
 >>> built.input, built.parameter_count
 ({'image_size': [3, 224, 224]}, 11689512)

@@ -97,9 +97,12 @@ def _search_group(source: StepSource, cards: list[GPU], start: int, confirm: Con
     was fitted through, the top, and the smaller cards' answers lie between).
     """
     first = cards[0]
+    names = ", ".join(c.name for c in cards)
     if confirm != ConfirmMode.TOP or not source.can_confirm:
         profile = source.profile(start, first)
         if profile is None:
+            warnings.append(Note(WarningCode.NOT_AFFINE, f"{names}: the step's ops or sizes change with the batch; "
+                                 "searched with full simulations"))
             return [_full_search(source, card, start) for card in cards]
         bests = _replay_searches(source, profile, cards, start)
         if confirm == ConfirmMode.EVERY_CARD and source.can_confirm:
@@ -112,7 +115,6 @@ def _search_group(source: StepSource, cards: list[GPU], start: int, confirm: Con
         if source.check(profile, top, first):
             return [(best, Search(SearchMethod.AFFINE_CHECKED, top)) for best in bests]
         checked.append(top)
-    names = ", ".join(c.name for c in cards)
     if checked:
         warnings.append(Note(WarningCode.CHECK_DIFFERS, f"{names}: a full simulation at batch {checked[-1]} differs "
                              "from the affine trace (the step's ops or sizes change with the batch); searched with "
