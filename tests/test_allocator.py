@@ -9,6 +9,8 @@ from hypothesis import strategies as st
 from estimator.errors import ReplayError
 from estimator.replay.allocator import AllocatorConfig, Event, allocation_size, replay, round_size
 
+TIER = "unit"
+
 MiB = 1024 * 1024
 
 

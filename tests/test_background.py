@@ -20,6 +20,8 @@ from estimator.request.spec import parse_request
 from estimator.simulate.record import record_training
 from estimator.sources import Simulator
 
+TIER = "sim"
+
 A100 = get_gpu("A100-80GB")
 
 

@@ -12,6 +12,8 @@ import pytest
 
 from app.cache import RedisCache, SingleFlight, SQLiteCache, cache_key
 
+TIER = "service"
+
 
 @pytest.fixture(scope="module")
 def redis_url(tmp_path_factory):

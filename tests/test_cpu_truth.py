@@ -9,6 +9,8 @@ from estimator.request.recipe import Recipe
 from estimator.testing.cpu_truth import BATCH, real_cpu_peak
 from estimator.testing.zoo import ZOO
 
+TIER = "sim"
+
 # Reentrant checkpoint also snapshots the CPU RNG state (a 5,056 B host tensor made
 # outside the dispatcher) per call; that is host memory a GPU prediction never counts.
 CASES = ["mlp", "conv", "tied", "inplace", "inplace_view", "checkpoint", "gpt2", "bert"]

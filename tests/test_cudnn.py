@@ -13,6 +13,8 @@ from estimator.replay.allocator import AllocatorConfig, replay_sized
 from estimator.request.recipe import Recipe
 from estimator.request.spec import parse_request
 
+TIER = "sim"
+
 A100, T4 = get_gpu("A100-80GB"), get_gpu("T4-16GB")
 B = 8
 

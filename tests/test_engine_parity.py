@@ -13,6 +13,8 @@ from estimator.request.recipe import Recipe
 from estimator.simulate.record import record_training
 from estimator.testing.zoo import ZOO
 
+TIER = "sim"
+
 EXACT = [
     "resnet18", "resnet50", "vit_b_16", "mobilenet_v3_small", "lstm", "gpt2", "bert", "tied", "inplace", "inplace_view",
     "checkpoint", "checkpoint_reentrant",

@@ -19,6 +19,8 @@ from estimator.simulate.record import record_training
 from estimator.simulate.virtual_gpu import Shortcuts, VirtualGPU
 from estimator.testing.zoo import ZOO
 
+TIER = "sim"
+
 A100 = get_gpu("A100-80GB")
 aten = torch.ops.aten
 

@@ -7,6 +7,8 @@ import json
 import pytest
 from golden import PATH, REQUESTS, answers
 
+TIER = "zoo"
+
 RECORDED = json.loads(PATH.read_text())
 
 

@@ -9,6 +9,8 @@ from estimator.request.recipe import Recipe
 from estimator.simulate.record import record_training
 from estimator.testing.zoo import ZOO
 
+TIER = "sim"
+
 
 def totals(trace, iteration=None):
     out: dict[str, int] = {}

@@ -22,6 +22,8 @@ from estimator.request.spec import parse_request
 from estimator.simulate.record import record_training
 from estimator.testing.zoo import ZOO
 
+TIER = "sim"
+
 
 def test_headroom_capacity() -> None:
     # 10% of 1000 usable bytes kept free, and the 100 B context counted in the device peak: 800 for the allocator

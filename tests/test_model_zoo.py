@@ -25,6 +25,8 @@ from estimator.request.recipe import Recipe
 from estimator.request.spec import parse_request
 from estimator.simulate.record import record_training
 
+TIER = "zoo"
+
 A100 = get_gpu("A100-80GB")
 BLOCK = 512  # the caching allocator rounds every request up to 512 B ...
 MIB = 2**20  # ... and hands a large-pool block out whole when less than 1 MiB would remain

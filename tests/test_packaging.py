@@ -6,6 +6,8 @@ from pathlib import Path
 
 import yaml
 
+TIER = "unit"
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -23,6 +23,8 @@ from estimator.simulate.record import record_training
 from estimator.sources import Simulator
 from estimator.testing.zoo import ZOO
 
+TIER = "sim"
+
 A100 = get_gpu("A100-80GB")
 T4 = get_gpu("T4-16GB")
 

@@ -22,6 +22,8 @@ from estimator.request.recipe import Recipe
 from estimator.request.spec import parse_request
 from estimator.simulate.record import record_training
 
+TIER = "sim"
+
 SMALL_GPT2 = {"source": "transformers", "preset": "gpt2", "config": {"n_layer": 2}}
 
 

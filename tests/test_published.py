@@ -37,6 +37,8 @@ from estimator.pipeline import estimate_memory
 from estimator.replay.allocator import round_size
 from estimator.request.recipe import Recipe
 
+TIER = "zoo"
+
 
 def bert_large():
     from transformers import BertConfig, BertForSequenceClassification

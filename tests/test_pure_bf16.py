@@ -20,6 +20,8 @@ from estimator.request.adapt import recipe_of
 from estimator.request.spec import parse_request
 from estimator.simulate.record import record_training
 
+TIER = "sim"
+
 BATCH = 2
 QUICK = {"confirm": "none", "curve_points": 0}
 

@@ -18,6 +18,8 @@ from estimator.pipeline import estimate
 from estimator.plan.results import EstimateResponse
 from estimator.request.spec import parse_request
 
+TIER = "unit"
+
 TV = {"source": "torchvision", "name": "resnet18"}
 
 
@@ -118,6 +120,7 @@ def _batchfit() -> str:
     return str(exe)
 
 
+@pytest.mark.sim
 def test_cli_end_to_end_json_contract() -> None:
     request = {
         "model": {"source": "torchvision", "name": "squeezenet1_1", "kwargs": {"num_classes": 10}},
@@ -148,6 +151,7 @@ def test_cli_end_to_end_json_contract() -> None:
                                       "inputs"}
 
 
+@pytest.mark.sim
 def test_cli_custom_model_and_table(tmp_path) -> None:
     (tmp_path / "mynets.py").write_text(
         "import torch.nn as nn\n"
@@ -168,6 +172,7 @@ def test_cli_custom_model_and_table(tmp_path) -> None:
     assert "197,322 parameters" in proc.stdout
 
 
+@pytest.mark.sim
 def test_cli_table_shows_both_batches_and_the_advice_asked_for(tmp_path) -> None:
     (tmp_path / "mynets.py").write_text(
         "import torch.nn as nn\n"

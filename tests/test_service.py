@@ -12,6 +12,8 @@ from app.main import create_app
 from app.settings import Settings
 from estimator.gpus import CATALOG
 
+TIER = "service"
+
 SMALL = {"model": {"source": "torchvision", "name": "resnet18"}, "gpus": ["T4-16GB"],
          "planner": {"confirm": "none", "curve_points": 0}}
 PROBLEM = "application/problem+json"

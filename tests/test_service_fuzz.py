@@ -20,6 +20,8 @@ from app.main import create_app
 from app.ready import wait_ready
 from app.settings import Settings
 
+TIER = "service"
+
 ESTIMATE_EXAMPLES = 520
 CHECKS = [checks.not_a_server_error, checks.status_code_conformance, checks.content_type_conformance,
           checks.response_schema_conformance, checks.response_headers_conformance]

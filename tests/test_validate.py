@@ -18,6 +18,8 @@ from estimator.errors import NoGPUError
 from estimator.request.spec import parse_request
 from estimator.validate import Measurement, compare, cuda_available, validate
 
+TIER = "sim"
+
 GIB = 2**30
 SMALL = {"model": {"source": "torchvision", "name": "resnet18"}, "gpus": ["T4-16GB"],
          "planner": {"confirm": "none", "curve_points": 0}}
@@ -63,6 +65,7 @@ def test_out_of_memory_is_reported_not_raised() -> None:
     assert response.results[0].memory.batch_size == 64
 
 
+@pytest.mark.service
 @pytest.mark.skipif(cuda_available(), reason="this checks the machine without a GPU")
 def test_no_gpu_library_service_and_cli(tmp_path) -> None:
     with pytest.raises(NoGPUError):
@@ -79,6 +82,18 @@ def test_no_gpu_library_service_and_cli(tmp_path) -> None:
                           env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert proc.returncode == 4
     assert proc.stderr.strip() == f"error: {NoGPUError()}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU")
+def test_a_real_step_on_this_gpu_meets_the_prediction() -> None:
+    """Real CUDA steps (a subprocess) of the small request at batch 64 on this machine's card: no out of
+    memory, and the peaks within 10 % of the prediction for that card."""
+    response, v = validate(parse_request({k: v for k, v in SMALL.items() if k != "gpus"}), batch_size=64)
+    assert not v.measured.oom and v.measured.error is None, v.measured.error
+    assert v.measured.batch_size == response.results[0].memory.batch_size == 64
+    for name in ("allocated_peak_bytes", "reserved_peak_bytes"):
+        assert abs(v.errors[name]) <= 0.10, (name, v.errors[name])
 
 
 def test_cli_bad_spec_exits_2(tmp_path) -> None:

@@ -15,6 +15,8 @@ from estimator.simulate.record import record_training
 from estimator.simulate.virtual_gpu import NullObserver, VirtualGPU
 from estimator.testing.zoo import ZOO
 
+TIER = "sim"
+
 
 def _torch_state():
     import torch.optim.optimizer as optim
