@@ -58,7 +58,12 @@ def _estimate(args: argparse.Namespace) -> int:
 
     if (args.spec is None) == (args.profile is None):
         raise SpecError("--spec/--profile", None, "exactly one of --spec FILE or --profile FILE")
+    if args.by_module is not None and args.profile is not None:
+        raise SpecError("--by-module", "--profile", "--spec FILE: a profile has no model to break down by module")
+    if args.by_module is not None and args.by_module < 1:
+        raise SpecError("--by-module", args.by_module, "a number of modules >= 1")
     progress = _progress(not args.json)
+    request = None
     if args.profile is not None:
         from estimator.portable import PortableProfile
 
@@ -67,18 +72,63 @@ def _estimate(args: argparse.Namespace) -> int:
     else:
         if args.gpus is not None or args.batch_size is not None:
             raise SpecError("--gpus/--batch-size", args.gpus or args.batch_size, "set in the spec with --spec")
-        response = estimate(_request_from_args(args), progress=progress)
+        request = _request_from_args(args)
+        response = estimate(request, progress=progress)
     if progress is not None:
         print(file=sys.stderr)
     if args.plot is not None:
         _plot(args, response)
+    by_module = _by_module(request, response) if request is not None and args.by_module is not None else None
     if args.json:
-        from estimator.plan.results import to_json_text
+        from estimator.plan.results import to_json, to_json_text
 
-        print(to_json_text(response, indent=2))
+        if by_module is None:
+            print(to_json_text(response, indent=2))
+        else:
+            mb, report = by_module
+            doc = {"batch_size": report.batch_size, "gpu": report.gpu, "peak_phase": report.peak_phase,
+                   "peak_module": report.peak_module, **mb.as_json(args.by_module)}
+            print(json.dumps({**to_json(response), "by_module": doc}, indent=2))
         return 0
     _table(response)
+    if by_module is not None:
+        _module_table(*by_module, args.by_module)
     return 0
+
+
+def _by_module(request, response):
+    """(per-module breakdown, report) of the first card's step at its memory batch, simulated again
+    with the meta model at hand (estimator/replay/modules.py)."""
+    from estimator.models import build
+    from estimator.models.meta import build_on_meta
+    from estimator.replay.modules import breakdown_by_module
+    from estimator.replay.report import report_from_trace
+    from estimator.request.adapt import cards_of, recipe_of
+    from estimator.simulate.record import record_training
+    from estimator.simulate.step import cast_model
+
+    card, recipe, built = cards_of(request)[0], recipe_of(request), build(request)
+    batch, reserve = response.results[0].memory.batch_size, request.planner.reserve_bytes
+    trace = record_training(built.factory, built.batch_factory, built.loss_fn, batch, recipe, card,
+                            worst_case=built.worst_case)
+    report = report_from_trace(trace, batch, card, reserve_bytes=reserve)
+    model = cast_model(build_on_meta(built.factory), recipe)  # as record_training builds it
+    return breakdown_by_module(trace, card, model, reserve_bytes=reserve), report
+
+
+def _module_table(mb, report, top: int) -> None:
+    """The top modules by activation and parameter bytes at the peak, in fvcore's table style."""
+    from estimator.replay.modules import format_table, not_in_columns
+
+    where = f"{report.peak_phase}, module {report.peak_module}" if report.peak_module else report.peak_phase
+    print(f"\nby module at the peak (batch {report.batch_size} on {report.gpu}, {where}): the {top} modules "
+          "holding the most activation and the most parameter bytes, and the modules they are in")
+    print(format_table(mb, top))
+    print("a row counts its submodules; the model row is every byte live at the peak (what runs outside any "
+          "module, as the loss and the optimizer step, counts there only); bytes are allocator blocks")
+    rest = not_in_columns(mb)
+    if rest:
+        print(f"not by module: {rest}")
 
 
 def _profile(args: argparse.Namespace) -> int:
@@ -230,6 +280,11 @@ def main(argv: list[str] | None = None) -> int:
     est.add_argument("--plot", metavar="FILE.png", help="draw the first card's step at its max batch")
     est.add_argument("--model", metavar="PACKAGE.MODULE:FACTORY",
                      help="a local nn.Module factory (imported here; replaces the spec's model)")
+    est.add_argument("--by-module", nargs="?", type=int, const=5, metavar="N",
+                     help="with --spec: the first card's step at its memory batch again, and a table of the N "
+                          "modules (default 5) holding the most activation and parameter bytes at the peak; "
+                          "with --json, a top-level \"by_module\" key beside the response's (not part of "
+                          "docs/API.md's response)")
     est.set_defaults(func=_estimate)
     val = sub.add_parser("validate", help="estimate, then run one real CUDA step and compare (needs a GPU)")
     val.add_argument("--spec", required=True, help="request JSON file, or - for stdin")
