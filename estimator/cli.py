@@ -92,7 +92,8 @@ def _estimate(args: argparse.Namespace) -> int:
         return 0
     _table(response)
     if by_module is not None:
-        _module_table(*by_module, args.by_module)
+        mb, report = by_module
+        _module_table(mb, report, args.by_module)
     return 0
 
 

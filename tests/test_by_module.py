@@ -29,7 +29,7 @@ from estimator.simulate.record import record_training
 from estimator.testing.zoo import ZOO
 from estimator.trace import Category
 
-pytestmark = pytest.mark.sim
+TIER = "sim"
 
 A100 = get_gpu("A100-80GB")
 PARAM, ACT = Category.PARAMETER, Category.ACTIVATION

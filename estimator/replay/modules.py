@@ -209,7 +209,7 @@ def _storage_bytes(t: Any) -> int:
     """What ``torch.empty_strided(t.size(), t.stride(), dtype=t.dtype)`` allocates (the virtual GPU's materialize)."""
     if t.numel() == 0:
         return 0
-    return (1 + sum((s - 1) * st for s, st in zip(t.size(), t.stride(), strict=True))) * t.element_size()
+    return int((1 + sum((s - 1) * st for s, st in zip(t.size(), t.stride(), strict=True))) * t.element_size())
 
 
 def parameter_owners(trace: Trace, model: Any) -> dict[int, str]:
@@ -311,7 +311,7 @@ def format_table(mb: ModuleBreakdown, top: int = 5) -> str:
             cells[name] = format_bytes(row[cat]) if row.get(cat) else ""
         stats[path] = cells
     depth = max(p.count(".") for p in stats) + 2
-    return fv._model_stats_table(stats, max_depth=depth, stat_columns=columns)
+    return str(fv._model_stats_table(stats, max_depth=depth, stat_columns=columns))
 
 
 def not_in_columns(mb: ModuleBreakdown) -> str:
