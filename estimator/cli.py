@@ -77,7 +77,7 @@ def _estimate(args: argparse.Namespace) -> int:
     if progress is not None:
         print(file=sys.stderr)
     if args.plot is not None:
-        _plot(args, response)
+        _plot(args, response, request)
     by_module = _by_module(request, response) if request is not None and args.by_module is not None else None
     if args.json:
         from estimator.plan.results import to_json, to_json_text
@@ -170,7 +170,7 @@ def _validate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plot(args: argparse.Namespace, response) -> None:
+def _plot(args: argparse.Namespace, response, request) -> None:
     """The first card's step at its memory batch, simulated (or synthesized from the profile) again."""
     from estimator.gpus import get_gpu
     from estimator.plot import draw_timeline
@@ -193,7 +193,7 @@ def _plot(args: argparse.Namespace, response) -> None:
         from estimator.replay.allocator import trace_events
         from estimator.simulate.record import record_training
 
-        request = _request_from_args(args)
+        assert request is not None  # --spec: parsed once, by _estimate (stdin is read once)
         card = cards_of(request)[0]
         built = build(request)
         trace = record_training(built.factory, built.batch_factory, built.loss_fn, batch, recipe_of(request), card,
