@@ -55,6 +55,7 @@ MODELS = [
 ]
 
 
+@pytest.mark.zoo  # a sweep over models: the zoo tier
 @pytest.mark.parametrize("model", MODELS, ids=[m.get("name") or m.get("preset") for m in MODELS])
 @pytest.mark.parametrize("precision", ["fp32", "amp-fp16", "amp-bf16"])
 def test_batch_norm_and_cache_key_shortcuts(model, precision) -> None:

@@ -55,6 +55,7 @@ def _held(gpu: str, headroom: float = DEFAULT_HEADROOM) -> dict:
             "compute_capability": card.compute_capability, "context_bytes": card.context_bytes}
 
 
+@pytest.mark.zoo  # a sweep over models: the zoo tier
 @pytest.mark.parametrize("name", sorted(n for n in ZOO if n != "lstm"))  # LSTMs: CPU target only (cuDNN RNN)
 def test_recommended_leaves_the_headroom_on_every_card(name: str) -> None:
     mf, bf, lf = ZOO[name]

@@ -29,6 +29,7 @@ A100 = get_gpu("A100-80GB")
 T4 = get_gpu("T4-16GB")
 
 
+@pytest.mark.zoo  # a sweep over models: the zoo tier
 @pytest.mark.parametrize("name", sorted(ZOO))
 def test_synthesized_trace_equals_a_fresh_one(name: str) -> None:
     mf, bf, lf = ZOO[name]
@@ -79,7 +80,7 @@ def test_ops_that_change_with_the_batch_fall_back_to_full_simulations() -> None:
     response = estimate(request, built=built, reserve_bytes=0)
     (result,) = response.results
     assert result.search == Search(SearchMethod.FULL)
-    assert WarningCode.NOT_AFFINE in [w.code for w in response.warnings]
+    assert WarningCode.CHECK_DIFFERS in [w.code for w in response.warnings]  # the check at the top caught it
     card = custom_gpu("tiny", 600 * MIB, "8.0", 300 * MIB)
 
     def fits(b: int) -> bool:
@@ -102,6 +103,7 @@ CONFIRM = [
 ]
 
 
+@pytest.mark.zoo  # a sweep over models: the zoo tier
 @pytest.mark.parametrize("model, inp", CONFIRM, ids=[m.get("name") or m.get("preset") for m, _ in CONFIRM])
 def test_max_fits_and_max_plus_one_does_not(model, inp) -> None:
     """Independent full simulations on two cards: the answer fits, one more does not."""
