@@ -20,6 +20,7 @@ import tomllib
 from importlib.metadata import PackageNotFoundError, distribution, packages_distributions
 from pathlib import Path
 
+import pytest
 import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
@@ -98,8 +99,11 @@ def test_each_extra_holds_what_its_part_imports() -> None:
     for name in ("service", "plot", "gpu"):
         assert name in brought or _names(extras[name]) <= _names(extras["test"]), name
     assert _names(extras["test"]) >= {"pytest", "hypothesis", "httpx", "schemathesis", "pyyaml"}
-    # and `make test` installs the test extra
-    assert "-e '.[test]'" in (ROOT / "Makefile").read_text()
+    # and `make test` installs the test extra, which brings the tools it runs (make lint, make typecheck)
+    makefile = (ROOT / "Makefile").read_text()
+    assert "-e '.[test]'" in makefile
+    for tool in ("ruff", "mypy"):
+        assert tool not in makefile or tool in _names(extras["test"]), tool
     assert PROJECT["scripts"]["batchfit"] == "estimator.cli:main"
 
 
@@ -185,6 +189,7 @@ print(json.dumps({{"before_torch": before_torch, "torch_loaded": torch_loaded, "
     assert [n for n in out["after"] if n != "pynvml"] == []
 
 
+@pytest.mark.sim  # one small simulation
 def test_the_library_estimates_without_any_extra_installed() -> None:
     out = _json(_python("""
 import json
