@@ -1,4 +1,8 @@
-"""The batchfit service (``uvicorn app.main:app``, or ``batchfit serve``).
+"""The batchfit service: ``uvicorn --factory app.main:create_app``, or ``batchfit serve``.
+
+Nothing runs at import: settings are read and the app is built when the
+server calls ``create_app`` (so importing this module never fails on a bad
+``BATCHFIT_*`` variable, and tests build their own app).
 
 Estimates run in worker processes (app/pool.py); results are cached
 (app/cache.py); errors are application/problem+json (app/errors.py).
@@ -87,6 +91,3 @@ def _finish(app: FastAPI, response, route: str, rid: str, t0: float):
     response.headers["X-Request-ID"] = rid
     logs.log("request", request_id=rid, route=route, status=response.status_code, seconds=round(dt, 4))
     return response
-
-
-app = create_app()

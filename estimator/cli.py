@@ -262,8 +262,17 @@ def _gpus(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
+    # what the service imports that the core does not install: the service extra
+    service_modules = {"uvicorn", "fastapi", "starlette", "pydantic_settings", "prometheus_client", "httpx", "redis"}
+    try:
+        import uvicorn
 
+        import app.main  # noqa: F401  the service's imports, checked here rather than inside uvicorn
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").partition(".")[0] not in service_modules:
+            raise  # a defect, not a missing extra
+        raise BatchfitError(f"batchfit serve needs the service extra: pip install 'batchfit[service]' "
+                            f"({exc})") from exc
     uvicorn.run("app.main:create_app", factory=True, host=args.host, port=args.port)
     return 0
 

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+from estimator.errors import BatchfitError
 from estimator.replay.allocator import CONV_WORKSPACE, Event
 
 ORDER = ("parameter", "buffer", "gradient", "optimizer_state", "activation", "temporary", "input", "workspace")
@@ -27,12 +28,21 @@ def category_timeline(events: list[Event]) -> dict[str, list[int]]:
     return out
 
 
-def draw_timeline(events: list[Event], phases: list[str], title: str, path: str) -> None:
-    import matplotlib
-
+def _pyplot():
+    """matplotlib's pyplot on the file-only backend; matplotlib is the ``plot`` extra, not a core dependency."""
+    try:
+        import matplotlib
+    except ModuleNotFoundError as exc:
+        raise BatchfitError(f"drawing the memory timeline (batchfit estimate --plot) needs the plot extra: "
+                            f"pip install 'batchfit[plot]' ({exc})") from exc
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def draw_timeline(events: list[Event], phases: list[str], title: str, path: str) -> None:
+    plt = _pyplot()
     series = category_timeline(events)
     x = range(len(events))
     fig, ax = plt.subplots(figsize=(12, 5))

@@ -22,7 +22,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-from estimator.errors import NoGPUError
+from estimator.errors import BatchfitError, NoGPUError
 
 ITERATIONS = 3
 
@@ -76,6 +76,16 @@ def compare(predicted: dict[str, int], measured: Measurement) -> Validation:
     return Validation(measured, dict(predicted), errors)
 
 
+def _pynvml():
+    """NVML's bindings; nvidia-ml-py is the ``gpu`` extra, not a core dependency."""
+    try:
+        import pynvml
+    except ModuleNotFoundError as exc:
+        raise BatchfitError("validating on a GPU (batchfit validate, \"validate\": true) needs the gpu extra: "
+                            f"pip install 'batchfit[gpu]' ({exc})") from exc
+    return pynvml
+
+
 def cuda_available() -> bool:
     import torch
 
@@ -119,6 +129,7 @@ def validate(request, source: MeasurementSource | None = None, batch_size: int |
     if isinstance(source, CudaSubprocess):
         if not cuda_available():
             raise NoGPUError()
+        _pynvml()  # the measuring child needs NVML: say so before the estimate, not after it
         if request.gpus is None:  # predict for the card that will measure
             request = request.model_copy(update={"gpus": [local_card()]})
     response = estimate(request)
@@ -138,12 +149,12 @@ def validate(request, source: MeasurementSource | None = None, batch_size: int |
 
 def local_card():
     """This machine's first GPU: its catalog entry when one matches, else a custom card from NVML."""
-    import pynvml
     import torch
 
     from estimator.gpus import CATALOG
     from estimator.request.spec import CustomGPUSpec
 
+    pynvml = _pynvml()
     pynvml.nvmlInit()
     handle = pynvml.nvmlDeviceGetHandleByIndex(0)
     total = pynvml.nvmlDeviceGetMemoryInfo(handle).total
@@ -163,8 +174,7 @@ def as_json(v: Validation) -> dict[str, Any]:
 # --- the child process --------------------------------------------------------
 
 def _nvml_used() -> tuple[int, str, str]:
-    import pynvml
-
+    pynvml = _pynvml()
     pynvml.nvmlInit()
     handle = pynvml.nvmlDeviceGetHandleByIndex(0)
     used = pynvml.nvmlDeviceGetMemoryInfo(handle).used
