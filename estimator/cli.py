@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 
-from estimator.errors import BatchfitError, NoGPUError, SpecError
+from estimator.errors import BatchfitError, MissingExtraError, NoGPUError, SpecError
 
 GIB = 2**30
 
@@ -271,8 +271,7 @@ def _serve(args: argparse.Namespace) -> int:
     except ModuleNotFoundError as exc:
         if (exc.name or "").partition(".")[0] not in service_modules:
             raise  # a defect, not a missing extra
-        raise BatchfitError(f"batchfit serve needs the service extra: pip install 'batchfit[service]' "
-                            f"({exc})") from exc
+        raise MissingExtraError("service", "batchfit serve", str(exc)) from exc
     uvicorn.run("app.main:create_app", factory=True, host=args.host, port=args.port)
     return 0
 

@@ -8,6 +8,7 @@
     │   └── BatchTooSmallError batch norm needs more than one value per channel
     ├── ReplayError            an event trace is malformed
     ├── NoGPUError             a validation needs a CUDA GPU and this machine has none
+    ├── MissingExtraError      a feature needs an optional extra that is not installed (carries ``extra``)
     └── ServiceError           the HTTP service would not or could not answer
         ├── Unauthorized       no API key, or a wrong one
         ├── Busy               every worker busy and the queue full
@@ -106,6 +107,21 @@ class NoGPUError(BatchfitError, RuntimeError):
 
     def __init__(self, message: str = "no CUDA GPU is available on this machine: validation needs one") -> None:
         super().__init__(message)
+
+
+class MissingExtraError(BatchfitError, ImportError):
+    """A feature needs one of batchfit's optional extras (``service``, ``plot``, ``gpu``), not installed.
+
+    >>> str(MissingExtraError("plot", "drawing the memory timeline", "No module named 'matplotlib'"))
+    "drawing the memory timeline needs the plot extra: pip install 'batchfit[plot]' (No module named 'matplotlib')"
+    """
+
+    def __init__(self, extra: str, feature: str, cause: str) -> None:
+        self.extra, self.feature, self.cause = extra, feature, cause
+        super().__init__(f"{feature} needs the {extra} extra: pip install 'batchfit[{extra}]' ({cause})")
+
+    def fields(self) -> dict[str, Any]:
+        return {"extra": self.extra, "feature": self.feature, "cause": self.cause}
 
 
 class ServiceError(BatchfitError):

@@ -8,20 +8,24 @@
 
 from __future__ import annotations
 
-from estimator.errors import BatchfitError
-from estimator.replay.allocator import CONV_WORKSPACE, Event
+from estimator.errors import MissingExtraError
+from estimator.replay.allocator import Event
+from estimator.trace import Category
 
-ORDER = ("parameter", "buffer", "gradient", "optimizer_state", "activation", "temporary", "input", "workspace")
+# the stacking order, bottom up; cuDNN's workspaces join cuBLAS's, empty_cache calls hold no memory
+ORDER = (Category.PARAMETER, Category.BUFFER, Category.GRADIENT, Category.OPTIMIZER_STATE, Category.ACTIVATION,
+         Category.TEMPORARY, Category.INPUT, Category.WORKSPACE)
 GIB = 2**30
 
 
 def category_timeline(events: list[Event]) -> dict[str, list[int]]:
     """Live requested bytes per category after each event (cuDNN's workspaces with cuBLAS's, as the breakdown
     counts them)."""
-    live = dict.fromkeys(ORDER, 0)
+    live: dict[str, int] = dict.fromkeys(ORDER, 0)
     out: dict[str, list[int]] = {c: [] for c in ORDER}
     for e in events:
-        cat = "workspace" if e.category == CONV_WORKSPACE else e.category if e.category in live else "temporary"
+        cat = (Category.WORKSPACE if e.category == Category.CONV_WORKSPACE
+               else e.category if e.category in live else Category.TEMPORARY)
         live[cat] += e.nbytes if e.alloc else -e.nbytes
         for c in ORDER:
             out[c].append(live[c])
@@ -33,8 +37,7 @@ def _pyplot():
     try:
         import matplotlib
     except ModuleNotFoundError as exc:
-        raise BatchfitError(f"drawing the memory timeline (batchfit estimate --plot) needs the plot extra: "
-                            f"pip install 'batchfit[plot]' ({exc})") from exc
+        raise MissingExtraError("plot", "drawing the memory timeline (batchfit estimate --plot)", str(exc)) from exc
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
@@ -46,7 +49,7 @@ def draw_timeline(events: list[Event], phases: list[str], title: str, path: str)
     series = category_timeline(events)
     x = range(len(events))
     fig, ax = plt.subplots(figsize=(12, 5))
-    ax.stackplot(x, *[[v / GIB for v in series[c]] for c in ORDER], labels=ORDER)
+    ax.stackplot(x, *[[v / GIB for v in series[c]] for c in ORDER], labels=[str(c) for c in ORDER])
     last = None
     for i, e in enumerate(events):
         phase = phases[e.key] if e.alloc else None

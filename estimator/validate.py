@@ -22,7 +22,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-from estimator.errors import BatchfitError, NoGPUError
+from estimator.errors import MissingExtraError, NoGPUError
 
 ITERATIONS = 3
 
@@ -81,8 +81,7 @@ def _pynvml():
     try:
         import pynvml
     except ModuleNotFoundError as exc:
-        raise BatchfitError("validating on a GPU (batchfit validate, \"validate\": true) needs the gpu extra: "
-                            f"pip install 'batchfit[gpu]' ({exc})") from exc
+        raise MissingExtraError("gpu", 'validating on a GPU (batchfit validate, "validate": true)', str(exc)) from exc
     return pynvml
 
 

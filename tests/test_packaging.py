@@ -197,7 +197,7 @@ import torch
 import torch.nn.functional as F
 from estimator import estimate_memory
 from estimator.cli import main
-from estimator.errors import BatchfitError
+from estimator.errors import MissingExtraError
 from estimator.plot import draw_timeline
 from estimator.validate import local_card
 
@@ -208,15 +208,15 @@ errors = {}
 for name, call in (("plot", lambda: draw_timeline([], [], "t", "unused.png")), ("gpu", local_card)):
     try:
         call()
-    except BatchfitError as exc:
-        errors[name] = str(exc)
+    except MissingExtraError as exc:
+        errors[name] = {"extra": exc.extra, "cause": exc.cause, "message": str(exc)}
 print(json.dumps({"peak": report.device_peak_bytes, "gpus": main(["gpus"]), "errors": errors}))
 """, blocked=EXTRA_MODULES))
     assert out["peak"] > 0 and out["gpus"] == 0
-    assert "needs the plot extra: pip install 'batchfit[plot]'" in out["errors"]["plot"]
-    assert "matplotlib" in out["errors"]["plot"]
-    assert "needs the gpu extra: pip install 'batchfit[gpu]'" in out["errors"]["gpu"]
-    assert "pynvml" in out["errors"]["gpu"]
+    plot, gpu = out["errors"]["plot"], out["errors"]["gpu"]
+    assert plot["extra"] == "plot" and "matplotlib" in plot["cause"]
+    assert "pip install 'batchfit[plot]'" in plot["message"]
+    assert gpu["extra"] == "gpu" and "pynvml" in gpu["cause"] and "pip install 'batchfit[gpu]'" in gpu["message"]
 
 
 def test_serve_without_the_service_extra_says_which_extra() -> None:
