@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import ast
 import fnmatch
+import functools
 import json
 import os
 import re
 import subprocess
 import sys
 import tomllib
+from collections.abc import Mapping
 from importlib.metadata import PackageNotFoundError, distribution, packages_distributions
 from pathlib import Path
 
@@ -131,9 +133,15 @@ def _module_level(body: list[ast.stmt]):
                 yield from _module_level(handler.body)
 
 
+@functools.lru_cache(maxsize=1)
+def _provided() -> Mapping[str, list[str]]:
+    """importlib.metadata's module -> distributions map (it reads every installed package: once)."""
+    return packages_distributions()
+
+
 def _distributions(modules: set[str]) -> dict[str, set[str]]:
     """module -> the installed distributions that provide it (stdlib and our own packages have none)."""
-    provided = packages_distributions()
+    provided = _provided()
     return {m: {canonicalize_name(d) for d in provided.get(m, [])} for m in modules
             if m not in ("estimator", "app") and provided.get(m)}
 

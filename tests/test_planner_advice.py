@@ -4,10 +4,6 @@ portable profile and the plot."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -115,23 +111,29 @@ def test_profile_answers_like_the_spec(tmp_path) -> None:
     assert info.value.field == "--profile.version"
 
 
-def test_cli_profile_estimate_and_plot(tmp_path) -> None:
+def test_cli_profile_estimate_and_plot(tmp_path, capsys) -> None:
+    """The CLI in-process (estimator.cli.main): a profile answers like the spec, and draws the step."""
+    from estimator.cli import main
+
     spec = tmp_path / "req.json"
     spec.write_text(json.dumps({"model": SMALL_GPT2, "input": {"seq_len": 64}, "gpus": ["T4-16GB"]}))
-    exe = str(Path(sys.executable).with_name("batchfit"))
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    run = lambda *a: subprocess.run([exe, *a], capture_output=True, text=True, timeout=600, env=env)  # noqa: E731
+
+    def run(*args: str) -> tuple[int, str, str]:
+        code = main(list(args))
+        out, err = capsys.readouterr()
+        return code, out, err
+
     made = run("profile", "--spec", str(spec), "-o", str(tmp_path / "p.json"))
-    assert made.returncode == 0, made.stderr
+    assert made[0] == 0, made[2]
     answered = run("estimate", "--profile", str(tmp_path / "p.json"), "--gpus", "T4-16GB", "--json",
                    "--plot", str(tmp_path / "step.png"))
-    assert answered.returncode == 0, answered.stderr
+    assert answered[0] == 0, answered[2]
     direct = run("estimate", "--spec", str(spec), "--json")
-    a, b = json.loads(answered.stdout)["results"][0], json.loads(direct.stdout)["results"][0]
+    a, b = json.loads(answered[1])["results"][0], json.loads(direct[1])["results"][0]
     assert a["max_batch_size"] == b["max_batch_size"] and a["memory"] == b["memory"]
     assert (tmp_path / "step.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     both = run("estimate", "--spec", str(spec), "--profile", str(tmp_path / "p.json"))
-    assert both.returncode == 2 and "exactly one of" in both.stderr
+    assert both[0] == 2 and "exactly one of" in both[2]
 
 
 def test_max_seq_len_fits_and_one_more_does_not() -> None:
