@@ -152,7 +152,14 @@ def test_cli_end_to_end_json_contract() -> None:
 
 
 @pytest.mark.sim
-def test_cli_custom_model_and_table(tmp_path) -> None:
+def _cli(capsys, *args: str) -> tuple[int, str, str]:
+    """``batchfit ARGS`` in-process: (exit status, stdout, stderr)."""
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_custom_model_and_table(tmp_path, capsys, monkeypatch) -> None:
     (tmp_path / "mynets.py").write_text(
         "import torch.nn as nn\n"
         "def make(width=64):\n"
@@ -160,20 +167,19 @@ def test_cli_custom_model_and_table(tmp_path) -> None:
     )
     spec = tmp_path / "req.json"
     spec.write_text(json.dumps({"input": {"image_size": [3, 32, 32]}, "gpus": ["T4-16GB"], "batch_size": 256}))
-    env = {**os.environ, "PYTHONPATH": str(tmp_path), "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([_batchfit(), "estimate", "--spec", str(spec), "--model", "mynets:make"],
-                          capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.splitlines()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, out, err = _cli(capsys, "estimate", "--spec", str(spec), "--model", "mynets:make")
+    assert code == 0, err
+    lines = out.splitlines()
     assert lines[0].split()[:3] == ["gpu", "memory", "GiB"]
     row = lines[1].split()
     assert row[0] == "T4-16GB" and row[4] == "256" and row[-1] == "yes"
     # 3072*64 + 64 + 64*10 + 10 = 197,322 parameters
-    assert "197,322 parameters" in proc.stdout
+    assert "197,322 parameters" in out
 
 
 @pytest.mark.sim
-def test_cli_table_shows_both_batches_and_the_advice_asked_for(tmp_path) -> None:
+def test_cli_table_shows_both_batches_and_the_advice_asked_for(tmp_path, capsys, monkeypatch) -> None:
     (tmp_path / "mynets.py").write_text(
         "import torch.nn as nn\n"
         "def make(width=64):\n"
@@ -183,14 +189,12 @@ def test_cli_table_shows_both_batches_and_the_advice_asked_for(tmp_path) -> None
             "planner": {"target_global_batch": 4096, "base_lr": 0.1, "base_batch": 256, "dataset_size": 50_000}}
     spec = tmp_path / "req.json"
     spec.write_text(json.dumps(body))
-    env = {**os.environ, "PYTHONPATH": str(tmp_path), "PYTHONWARNINGS": "ignore"}
-    table = subprocess.run([_batchfit(), "estimate", "--spec", str(spec), "--model", "mynets:make"],
-                           capture_output=True, text=True, timeout=600, env=env)
-    as_json = subprocess.run([_batchfit(), "estimate", "--spec", str(spec), "--model", "mynets:make", "--json"],
-                             capture_output=True, text=True, timeout=600, env=env)
-    assert table.returncode == 0 and as_json.returncode == 0, table.stderr + as_json.stderr
-    (r,) = json.loads(as_json.stdout)["results"]
-    head, row = table.stdout.splitlines()[:2]
+    monkeypatch.syspath_prepend(str(tmp_path))
+    table = _cli(capsys, "estimate", "--spec", str(spec), "--model", "mynets:make")
+    as_json = _cli(capsys, "estimate", "--spec", str(spec), "--model", "mynets:make", "--json")
+    assert table[0] == 0 and as_json[0] == 0, table[2] + as_json[2]
+    (r,) = json.loads(as_json[1])["results"]
+    head, row = table[1].splitlines()[:2]
     for column in ("max batch", "recommended", "at max", "at rec", "step s", "epoch s", "micro x steps x ranks",
                    "lr"):
         assert column in head
@@ -201,4 +205,4 @@ def test_cli_table_shows_both_batches_and_the_advice_asked_for(tmp_path) -> None
     assert cells[6:8] == [f"{r['max_memory']['device_peak_bytes'] / 2**30:.2f}",
                           f"{r['recommended_memory']['device_peak_bytes'] / 2**30:.2f}"]
     assert f"{r['learning_rate']['lr']:.3g}" in cells and f"{r['step_seconds']:.3f}" in cells
-    assert "learning rate: sqrt scaling" in table.stdout
+    assert "learning rate: sqrt scaling" in table[1]
