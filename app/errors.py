@@ -24,6 +24,7 @@ from estimator.errors import (
     SimulationError,
     SpecError,
     Unauthorized,
+    WorkerDied,
 )
 
 PROBLEM = "application/problem+json"
@@ -38,6 +39,7 @@ PROBLEMS: dict[type[BatchfitError], tuple[int, str, str]] = {
     Unauthorized: (401, "unauthorized", "An API key is required"),
     Busy: (503, "busy", "Every worker is busy"),
     LimitExceeded: (422, "limit", "The estimate ran past a limit of the service"),
+    WorkerDied: (503, "worker-died", "The estimate's worker died"),
 }
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from app.settings import Settings
 from app.worker import Reply, serve
-from estimator.errors import Busy, LimitExceeded
+from estimator.errors import Busy, LimitExceeded, WorkerDied
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -42,23 +42,36 @@ class _Worker:
             raise RuntimeError("worker did not start")
         self.conn.recv()
 
-    def call(self, job_id: int, body: Any, timeout: float, memory: int) -> Reply:
-        self.conn.send((job_id, body))
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.conn.poll(0.1):
-                reply: Reply = self.conn.recv()
-                return reply
-            if not self.process.is_alive():
-                raise LimitExceeded("crash", "the estimate's worker died")
-            if time.monotonic() > deadline:
-                raise LimitExceeded("time", f"the estimate ran past the service's time limit of {timeout:g} s")
-            if _rss(self.process.pid) > memory:
-                raise LimitExceeded("memory", f"the estimate passed the service's memory limit of "
-                                              f"{memory // 2**20} MiB")
+    @property
+    def alive(self) -> bool:
+        return self.process.is_alive()
 
+    def _died(self) -> WorkerDied:
+        self.process.join(1)
+        code = self.process.exitcode
+        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit status {code}"
+        return WorkerDied(f"the estimate's worker process died ({how}); it was replaced: retry the request")
+
+    def call(self, job_id: int, body: Any, timeout: float, memory: int) -> Reply:
+        deadline = time.monotonic() + timeout
+        try:
+            self.conn.send((job_id, body))
+            while True:
+                if self.conn.poll(0.1):
+                    reply: Reply = self.conn.recv()  # EOFError when the worker died (poll is true at EOF)
+                    return reply
+                if not self.process.is_alive():
+                    raise self._died()
+                if time.monotonic() > deadline:
+                    raise LimitExceeded("time", f"the estimate ran past the service's time limit of {timeout:g} s")
+                if _rss(self.process.pid) > memory:
+                    raise LimitExceeded("memory", f"the estimate passed the service's memory limit of "
+                                                  f"{memory // 2**20} MiB")
+        except (EOFError, OSError) as exc:
+            raise self._died() from exc
     def kill(self) -> None:
-        self.process.kill()
+        if self.process.is_alive():
+            self.process.kill()
         self.process.join(5)
         self.conn.close()
 
@@ -102,8 +115,24 @@ class Pool:
     def busy(self) -> int:
         return len(self._workers) - self._idle.qsize()
 
+    @property
+    def live(self) -> int:
+        """Worker processes alive now (a dead one is replaced when next handed out or when its job fails)."""
+        return sum(w.alive for w in self._workers)
+
+    async def _replace(self, worker: _Worker) -> _Worker:
+        loop = asyncio.get_running_loop()
+        self._workers.remove(worker)
+        await loop.run_in_executor(None, worker.kill)
+        fresh = _Worker(self._ctx)
+        await loop.run_in_executor(None, fresh.wait_ready, 300.0)
+        self._workers.append(fresh)
+        self.restarts += 1
+        return fresh
+
     async def run(self, body: Any) -> Reply:
-        """A worker's reply; ``Busy`` or ``LimitExceeded`` otherwise."""
+        """A worker's reply; ``Busy``, ``LimitExceeded`` or ``WorkerDied`` otherwise (then the worker is
+        replaced before it is handed out again)."""
         if self._idle.empty() and self._waiting >= self.settings.queue_size:
             raise Busy()
         self._waiting += 1
@@ -114,15 +143,12 @@ class Pool:
         loop = asyncio.get_running_loop()
         s = self.settings
         try:
+            if not worker.alive:  # died while idle
+                worker = await self._replace(worker)
             return await loop.run_in_executor(None, worker.call, next(self._ids), body, s.request_timeout_s,
                                               s.worker_memory_bytes)
-        except LimitExceeded:
-            self._workers.remove(worker)
-            await loop.run_in_executor(None, worker.kill)
-            worker = _Worker(self._ctx)
-            await loop.run_in_executor(None, worker.wait_ready, 300.0)
-            self._workers.append(worker)
-            self.restarts += 1
+        except (LimitExceeded, WorkerDied):
+            worker = await self._replace(worker)
             raise
         finally:
             self._idle.put_nowait(worker)

@@ -13,7 +13,7 @@ from app.cache import cache_key
 from app.errors import error_problem, problem, problem_responses
 from app.worker import Reply, ReplyKind
 from estimator import EstimateRequest, EstimateResponse, catalog, check_request
-from estimator.errors import BatchfitError, Busy, LimitExceeded
+from estimator.errors import BatchfitError, Busy, LimitExceeded, WorkerDied
 
 router = APIRouter()
 
@@ -101,6 +101,9 @@ async def _in_pool(app: Any, body: EstimateRequest) -> Reply:
     except LimitExceeded as exc:
         metrics.worker_restarts.inc()
         raise Refused(exc) from None
+    except WorkerDied as exc:
+        metrics.worker_restarts.inc()
+        raise Refused(exc, headers={"Retry-After": str(app.state.settings.retry_after_s)}) from None
     finally:
         metrics.workers_busy.dec()
         metrics.estimate.observe(time.perf_counter() - t0)
@@ -137,9 +140,11 @@ def healthz() -> dict:
 @router.get("/readyz", summary="Workers and cache ready", responses={503: {"description": "not ready"}})
 def readyz(request: Request) -> Any:
     app = request.app
-    pool_ok = app.state.pool is not None and app.state.pool.ready
+    pool = app.state.pool
+    live = pool.live if pool is not None and pool.ready else 0
+    pool_ok = live > 0
     cache_ok = app.state.cache is None or app.state.cache.ping()
-    body = {"workers": pool_ok, "cache": cache_ok}
+    body = {"workers": pool_ok, "live_workers": live, "cache": cache_ok}
     return JSONResponse(body, status_code=200 if pool_ok and cache_ok else 503)
 
 

@@ -12,6 +12,7 @@
     └── ServiceError           the HTTP service would not or could not answer
         ├── Unauthorized       no API key, or a wrong one
         ├── Busy               every worker busy and the queue full
+        ├── WorkerDied         the worker running an estimate died (a signal, the OOM killer, a crash)
         └── LimitExceeded      an estimate ran past a limit of the service (carries ``limit``)
 
 Foreign exceptions are translated at one seam (``estimator.simulate.record``)
@@ -142,8 +143,13 @@ class Busy(ServiceError):
         super().__init__(message)
 
 
+class WorkerDied(ServiceError):
+    """The worker process running an estimate died (killed by a signal or the OOM killer, or crashed); it was
+    replaced, and the same request may succeed when retried."""
+
+
 class LimitExceeded(ServiceError):
-    """A worker ran past a limit and was replaced; ``limit`` is 'time', 'memory' or 'crash'."""
+    """A worker ran past a limit and was replaced; ``limit`` is 'time' or 'memory'."""
 
     def __init__(self, limit: str, message: str) -> None:
         self.limit = limit

@@ -145,6 +145,38 @@ def test_worker_past_the_memory_limit_is_replaced() -> None:
         assert "batchfit_worker_restarts_total 1.0" in c.get("/metrics").text
 
 
+def test_a_killed_worker_is_a_503_and_is_replaced() -> None:
+    """D1 (issue 13): a worker SIGKILLed mid-estimate (as the OOM killer does) gives its caller a 503 problem
+    with Retry-After; the worker is replaced, and the next 20 requests, each computed, all succeed."""
+    import os
+    import signal
+
+    app = create_app(Settings(workers=1, cache_path="", request_timeout_s=300))
+    slow = {"model": {"source": "torchvision", "name": "resnet50"}}  # the whole catalog: several seconds
+    results = {}
+    with TestClient(app) as c:
+        t = threading.Thread(target=lambda: results.setdefault("slow", c.post("/estimate", json=slow)))
+        t.start()
+        pool = app.state.pool
+        deadline = time.time() + 60
+        while pool.busy == 0 and time.time() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)  # inside the estimate
+        os.kill(pool._workers[0].process.pid, signal.SIGKILL)
+        t.join(120)
+        r = results["slow"]
+        assert r.status_code == 503 and r.headers["content-type"] == PROBLEM, r.text
+        assert r.json()["type"].endswith("/worker-died") and r.headers["retry-after"] == "5"
+        assert "killed by signal 9" in r.json()["detail"]
+        ready = c.get("/readyz").json()
+        assert ready["workers"] and ready["live_workers"] == 1
+        for b in range(2, 22):  # resnet18 at 32 px: batch norm needs 2 (1x1 maps)
+            ok = c.post("/estimate", json={**SMALL, "input": {"image_size": [3, 32, 32]}, "batch_size": b})
+            assert ok.status_code == 200, (b, ok.text)
+            assert ok.headers["x-batchfit-cache"] == "miss"
+        assert "batchfit_worker_restarts_total 1.0" in c.get("/metrics").text
+
+
 def test_logs_are_json_lines_with_the_request_id() -> None:
     import json
     import logging
