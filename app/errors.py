@@ -7,12 +7,14 @@ most specific type in the table wins, as in httpx's exception mapping.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from estimator import describe_validation_error
 from estimator.errors import (
@@ -82,13 +84,33 @@ def error_problem(exc: BatchfitError, headers: dict[str, str] | None = None) -> 
     """The problem+json response for one of batchfit's errors."""
     status, kind, title = _mapped(exc)
     extra: dict[str, Any] = {}
+    detail = str(exc)
     if isinstance(exc, SpecError):
-        extra = {"field": exc.field, "value": _safe(exc.value), "expected": exc.expected}
+        value = _safe(exc.value)
+        extra = {"field": exc.field, "value": value, "expected": exc.expected}
+        detail = f"{exc.field}: got {value!r}; expected {exc.expected}"  # the value as echoed, cut short
     elif isinstance(exc, SimulationError):
         extra = {"where": exc.where}
     elif isinstance(exc, LimitExceeded):
         kind = f"{exc.limit}-limit"
-    return problem(status, kind, title, str(exc), headers, **extra)
+    return problem(status, kind, title, detail[:2000], headers, **extra)
+
+
+# Starlette's own errors (routing, body parsing) by status: kind and title.
+HTTP_PROBLEMS = {
+    400: ("bad-request", "The request body cannot be read"),
+    404: ("not-found", "No such route"),
+    405: ("method-not-allowed", "The route does not take this method"),
+    413: ("too-large", "The request body is too large"),
+    415: ("unsupported-media-type", "The request body must be application/json"),
+}
+
+
+async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
+    """Starlette's HTTPException (404, 405, a body FastAPI cannot decode: 400) as problem+json."""
+    assert isinstance(exc, StarletteHTTPException)
+    kind, title = HTTP_PROBLEMS.get(exc.status_code, ("http-error", "The request failed"))
+    return problem(exc.status_code, kind, title, str(exc.detail)[:200], dict(exc.headers or {}) or None)
 
 
 async def on_batchfit_error(request: Request, exc: Exception) -> JSONResponse:
@@ -106,7 +128,11 @@ async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 def _safe(value: Any) -> Any:
-    """The offending value, small enough to echo back."""
+    """The offending value, small enough to echo back (and renderable: NaN and infinities as text)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**200:
+        return repr(value)[:200]
     if isinstance(value, (int, float, bool)) or value is None:
         return value
     if isinstance(value, str):

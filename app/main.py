@@ -14,14 +14,17 @@ import asyncio
 import time
 import uuid
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
 
 from app import logs
 from app.auth import check_key
 from app.cache import RedisCache, SingleFlight, SQLiteCache
-from app.errors import error_problem, on_batchfit_error, on_validation_error
+from app.errors import HTTP_PROBLEMS, error_problem, on_batchfit_error, on_http_error, on_validation_error, problem
 from app.metrics import Metrics
 from app.pool import Pool
 from app.routes import router
@@ -29,7 +32,7 @@ from app.settings import Settings, get_settings
 from estimator import __version__
 from estimator.errors import BatchfitError, Unauthorized
 
-OPEN = {"/healthz", "/readyz"}
+OPEN = {"/healthz", "/readyz"}  # without a key even when keys are set
 ROUTES = {"/estimate", "/gpus", "/models", "/healthz", "/readyz", "/metrics", "/docs", "/openapi.json"}
 
 
@@ -64,23 +67,59 @@ def create_app(settings: Settings | None = None, *, start_workers: bool = True) 
     app.state.pool = None
     app.add_exception_handler(BatchfitError, on_batchfit_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
 
     @app.middleware("http")
     async def around(request: Request, call_next):
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
         route = request.url.path
         t0 = time.perf_counter()
-        if route not in OPEN and route not in ("/docs", "/openapi.json"):
+        if route not in OPEN:  # /docs and /openapi.json too: open only when no keys are set
             try:
                 check_key(request, settings)
             except Unauthorized as exc:
-                response = error_problem(exc, headers={"WWW-Authenticate": "Bearer"})
-                return _finish(app, response, route, rid, t0)
-        response = await call_next(request)
+                denied = error_problem(exc, headers={"WWW-Authenticate": "Bearer"})
+                return _finish(app, denied, route, rid, t0)
+        limit = settings.max_body_bytes
+        declared = request.headers.get("content-length")
+        streamed = None
+        if declared is not None:
+            if not declared.isdigit() or int(declared) > limit:
+                return _finish(app, _body_too_large(f"the body is {declared} bytes", limit), route, rid, t0)
+        elif request.method in ("POST", "PUT", "PATCH"):
+            streamed = request._receive = _LimitedBody(request.receive, limit)
+        response: Response = await call_next(request)
+        if streamed is not None and streamed.exceeded:  # what the route saw was cut off at the limit
+            response = _body_too_large(f"the body passed {limit} bytes", limit)
         return _finish(app, response, route, rid, t0)
 
     app.include_router(router)
     return app
+
+
+def _body_too_large(what: str, limit: int) -> Response:
+    """413, before the body is read when its Content-Length says so (BATCHFIT_MAX_BODY_BYTES)."""
+    kind, title = HTTP_PROBLEMS[413]
+    return problem(413, kind, title, f"{what}; the service takes at most {limit} (BATCHFIT_MAX_BODY_BYTES)")
+
+
+class _LimitedBody:
+    """An ASGI receive for a body without Content-Length (chunked): past ``limit`` bytes it ends the body
+    there, unread beyond, and marks the request ``exceeded`` (the middleware answers 413)."""
+
+    def __init__(self, receive: Any, limit: int) -> None:
+        self.receive, self.limit, self.seen, self.exceeded = receive, limit, 0, False
+
+    async def __call__(self) -> Any:
+        if self.exceeded:
+            return {"type": "http.request", "body": b"", "more_body": False}
+        message = await self.receive()
+        if message["type"] == "http.request":
+            self.seen += len(message.get("body", b""))
+            if self.seen > self.limit:
+                self.exceeded = True
+                return {"type": "http.request", "body": b"", "more_body": False}
+        return message
 
 
 def _finish(app: FastAPI, response, route: str, rid: str, t0: float):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -28,6 +28,15 @@ class Settings(BaseSettings):
     cache_ttl_s: int = Field(7 * 24 * 3600, ge=0)
     api_keys: str = Field("", description="comma-separated keys; empty: no auth")
     retry_after_s: int = Field(5, ge=1, description="Retry-After when the queue is full")
+    max_body_bytes: int = Field(2**20, ge=1024, le=2**30, description="larger request bodies get 413, unread")
+
+    @field_validator("api_keys")
+    @classmethod
+    def _no_empty_key(cls, v: str) -> str:
+        """Keys set but empty (" , ") would turn auth off silently: a startup error instead."""
+        if v.strip() and any(not k.strip() for k in v.split(",")):
+            raise ValueError("BATCHFIT_API_KEYS: every comma-separated key must be non-empty")
+        return v
 
     def keys(self) -> list[str]:
         return [k.strip() for k in self.api_keys.split(",") if k.strip()]

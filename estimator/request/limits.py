@@ -12,6 +12,7 @@ MIN_SIDE, MAX_SIDE = 16, 8192
 MAX_FRAMES = 512
 MAX_OBJECTS = 1024  # annotated objects per image (detection)
 MAX_CARDS = 64  # cards in one request
+MAX_JSON_DEPTH = 32  # nesting of a request's free-form JSON (model kwargs, an inline config)
 
-__all__ = ["MAX_BATCH", "MAX_CARDS", "MAX_CHANNELS", "MAX_FRAMES", "MAX_OBJECTS", "MAX_SEQ_LEN", "MAX_SIDE",
-           "MIN_SIDE"]
+__all__ = ["MAX_BATCH", "MAX_CARDS", "MAX_CHANNELS", "MAX_FRAMES", "MAX_JSON_DEPTH", "MAX_OBJECTS", "MAX_SEQ_LEN",
+           "MAX_SIDE", "MIN_SIDE"]

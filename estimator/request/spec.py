@@ -12,6 +12,7 @@ translated here, at one seam (``parse_request``).
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
@@ -27,6 +28,7 @@ from estimator.request.limits import (
     MAX_CARDS,
     MAX_CHANNELS,
     MAX_FRAMES,
+    MAX_JSON_DEPTH,
     MAX_OBJECTS,
     MAX_SEQ_LEN,
     MAX_SIDE,
@@ -38,7 +40,8 @@ from estimator.request.recipe import Checkpointing, OptimizerName, Precision, Ze
 Task = Literal["causal-lm", "masked-lm", "sequence-classification", "seq2seq-lm", "image-classification"]
 AttnImplementation = Literal["eager", "sdpa"]
 
-_STRICT = ConfigDict(extra="forbid", strict=True)
+# NaN and infinities are refused in every typed field (a finite number is expected everywhere)
+_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 # JSON-only kwargs: no callables, no objects, so nothing in a request is code.
 JSONValue = None | bool | int | float | str | list[Any] | dict[str, Any]
 
@@ -172,7 +175,7 @@ class PlannerSpec(BaseModel):
 
 
 class EstimateRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True, allow_inf_nan=False)
     model: ModelSpec
     input: InputSpec = Field(default_factory=InputSpec)
     training: TrainingSpec = Field(default_factory=TrainingSpec)
@@ -254,7 +257,23 @@ def check_request(req: EstimateRequest, *, allow_local_code: bool = False) -> Es
                         "only from the library or the CLI's --model, never from a request)")
     if isinstance(req.model, TransformersModel) and req.model.preset is None and req.model.config is None:
         raise SpecError("model.preset", None, "a preset name or an inline config (or both)")
+    free = ("config", req.model.config) if isinstance(req.model, TransformersModel) else ("kwargs", req.model.kwargs)
+    _check_json(free[1], f"model.{free[0]}", 0)
     return req
+
+
+def _check_json(value: Any, path: str, depth: int) -> None:
+    """A request's free-form JSON (kwargs, an inline config): finite numbers, bounded nesting."""
+    if depth > MAX_JSON_DEPTH:
+        raise SpecError(path, "(nested deeper)", f"JSON nested at most {MAX_JSON_DEPTH} levels")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise SpecError(path, repr(value), "a finite number")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _check_json(v, f"{path}.{k}", depth + 1)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_json(v, f"{path}[{i}]", depth + 1)
 
 
 def _expected(err: Mapping[str, Any]) -> str:
