@@ -36,6 +36,13 @@ OPEN = {"/healthz", "/readyz"}  # without a key even when keys are set
 ROUTES = {"/estimate", "/gpus", "/models", "/healthz", "/readyz", "/metrics", "/docs", "/openapi.json"}
 
 
+def __getattr__(name: str) -> Any:
+    if name == "app":  # before 0.3.0 the module built its app at import
+        raise AttributeError("app.main builds no app at import since batchfit 0.3.0: run "
+                             "`uvicorn --factory app.main:create_app` (or `batchfit serve`)")
+    raise AttributeError(f"module 'app.main' has no attribute {name!r}")
+
+
 def create_app(settings: Settings | None = None, *, start_workers: bool = True) -> FastAPI:
     """The FastAPI application; ``start_workers=False`` leaves the pool to the caller (tests)."""
     settings = settings or get_settings()

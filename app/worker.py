@@ -4,9 +4,10 @@ Each worker imports torch once (warm) and answers ``(job_id, request)``
 messages (an ``EstimateRequest`` the service parsed, sent pickled) with a ``Reply``:
 
 - ``OK``: the response's JSON (docs/API.md), with ``validation`` when the request asked for one;
-- ``ERROR``: one of batchfit's errors as its class name and fields (``BatchfitError.fields``), rebuilt
-  by the parent with ``Reply.error()``: a ``SpecError``, ``SimulationError``, ``NoGPUError``, or
-  ``LimitExceeded('memory')`` when the worker ran out of memory;
+- ``ERROR``: any of batchfit's errors (estimator/errors.py: ``SpecError`` and ``UnknownGPUError``,
+  ``SimulationError`` and its kinds, ``NoGPUError``, ``MissingExtraError``, ``ReplayError``, or
+  ``LimitExceeded('memory')`` when the worker ran out of memory) as its class name and fields
+  (``BatchfitError.fields``), rebuilt as the same type by the parent with ``Reply.error()``;
 - ``INTERNAL``: any other exception's type and message (a batchfit defect: 500).
 
 Requests are data only: custom factories are refused by ``check_request``

@@ -286,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     est.add_argument("--gpus", nargs="+", help="with --profile: catalog names (default: the whole catalog)")
     est.add_argument("--batch-size", type=int, help="with --profile: also report memory at this batch")
     est.add_argument("--json", action="store_true", help="print the response as JSON (docs/API.md)")
-    est.add_argument("--plot", metavar="FILE.png", help="draw the first card's step at its max batch")
+    est.add_argument("--plot", metavar="FILE.png",
+                     help="draw the first card's step at its memory batch (batch_size, else the max)")
     est.add_argument("--model", metavar="PACKAGE.MODULE:FACTORY",
                      help="a local nn.Module factory (imported here; replaces the spec's model)")
     est.add_argument("--by-module", nargs="?", type=int, const=5, metavar="N",

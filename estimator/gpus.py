@@ -126,7 +126,7 @@ def custom_gpu(name: str, memory_bytes: int, compute_capability: str = "8.0",
 
 
 def catalog() -> dict[str, object]:
-    """The catalog as JSON data: its version and every card (``GET /gpus``, ``batchfit gpus``)."""
+    """The catalog as JSON data: its version and every card (``GET /gpus``)."""
     return {"catalog": CATALOG_VERSION, "gpus": [
         {"name": g.name, "memory_bytes": g.memory_bytes, "compute_capability": g.compute_capability,
          "context_bytes": g.context_bytes, "peak_tflops_bf16": g.peak_tflops_bf16,

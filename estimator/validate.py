@@ -1,6 +1,6 @@
 """One real CUDA training step, measured, compared with the prediction.
 
->>> validation = validate(request)                                       # doctest: +SKIP
+>>> response, validation = validate(request)                             # doctest: +SKIP
 >>> validation.errors["allocated_peak_bytes"]                            # measured vs predicted
 
 The step runs in a subprocess (``python -m estimator.validate``), so an
@@ -221,7 +221,7 @@ def _child(doc: dict[str, Any]) -> Measurement:
         with device:
             model = built.factory()
         # the loop the simulation runs (estimator/simulate/step.py), for real
-        run_steps(prepare(cast_model(model, recipe), recipe), built.batch_factory, built.loss_fn, batch, recipe,
+        run_steps(prepare(cast_model(model, recipe), recipe, device), built.batch_factory, built.loss_fn, batch, recipe,
                   device, measuring)
         peak_used = measuring.peak_used
     except torch.cuda.OutOfMemoryError as exc:

@@ -44,7 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from estimator.errors import ReplayError
+from estimator.errors import ReplayError, SpecError
 from estimator.trace import SOFT_CATEGORIES, Category, Trace
 
 KMIN_BLOCK_SIZE = 512  # kMinBlockSize: all sizes are rounded to at least 512 bytes
@@ -88,8 +88,8 @@ class AllocatorConfig:
 
     def __post_init__(self) -> None:
         if self.garbage_collection_threshold != 0.0:
-            raise ReplayError(f"garbage_collection_threshold: got {self.garbage_collection_threshold}; expected 0.0 "
-                              "(the allocator's garbage collection of cached blocks is not modelled)")
+            raise SpecError("allocator.garbage_collection_threshold", self.garbage_collection_threshold,
+                            "0.0 (the allocator's garbage collection of cached blocks is not modelled)")
         if self.capacity is not None and self.capacity < 0:
             raise ReplayError(f"capacity: got {self.capacity}; expected bytes >= 0 or None")
         if self.max_split_size is not None and self.max_split_size < KLARGE_BUFFER:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from estimator.errors import SpecError
 from estimator.gpus import CATALOG, DEFAULT_CONTEXT_BYTES, GPU, custom_gpu, get_gpu
 from estimator.plan.advice import AdviceOptions
+from estimator.plan.strategy import ConfirmMode
 from estimator.request.recipe import Recipe
 from estimator.request.spec import CustomGPUSpec, EstimateRequest
 
@@ -47,6 +49,12 @@ def advice_options(request: EstimateRequest, resolved_input: dict[str, Any]) -> 
 def with_planner(request: EstimateRequest, **changes: Any) -> EstimateRequest:
     """``request`` with the ``planner`` fields in ``changes`` that are not None replaced."""
     changes = {k: v for k, v in changes.items() if v is not None}
+    if "confirm" in changes:
+        try:
+            changes["confirm"] = ConfirmMode(changes["confirm"])
+        except ValueError:
+            raise SpecError("confirm", changes["confirm"], "one of 'top', 'every-card', 'none' (true and false, "
+                            "before 0.3.0, are 'every-card' and 'none')") from None
     if not changes:
         return request
     return request.model_copy(update={"planner": request.planner.model_copy(update=changes)})

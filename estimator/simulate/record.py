@@ -61,6 +61,7 @@ class Recorder:
         self.survivors: set[int] = set()
         self.iteration_flops: dict[int, int] = {}
         self.params: list[torch.nn.Parameter] = []  # whose .grad is a gradient when a backward ends
+        self.closed = False  # finished: the trace is complete
         self.engine: Engine | None = None
 
     # --- the Observer protocol (estimator.simulate.virtual_gpu)
@@ -145,6 +146,8 @@ class Recorder:
         return aid
 
     def _free(self, key: int, aid: int) -> None:
+        if self.closed:
+            return  # storages that outlive the step (the model's, freed when the caller drops it): not part of it
         if self.live.get(key) == aid:
             del self.live[key]
         self.trace.events.append((False, aid))
@@ -166,6 +169,7 @@ class Recorder:
         TensorImpl address order), and the allocator ends a burst of frees in
         the same state whatever their order.
         """
+        self.closed = True
         events = self.trace.events
         i = 0
         while i < len(events):
@@ -303,7 +307,7 @@ def record_training(
         recorder.mark(model.parameters(), Category.PARAMETER)
         recorder.mark(model.buffers(), Category.BUFFER)
         recorder.trace.unsupported.extend(_unsupported_hooks(model))
-        training = prepare(model, recipe)
+        training = prepare(model, recipe, vgpu.device)
         recorder.trace.assumptions.extend(training.notes)
         recorder.params = training.params
         with _ModuleTracker(recorder, model):

@@ -5,7 +5,7 @@ accumulation steps -> optimizer step (GradScaler for amp-fp16). Model
 outputs are released once the loss is computed, and the loss once
 backward has run, as in the Hugging Face Trainer and Lightning loops.
 
->>> training = prepare(model, recipe)                                      # doctest: +SKIP
+>>> training = prepare(model, recipe, torch.device("cuda"))                # doctest: +SKIP
 >>> run_steps(training, batch_factory, loss_fn, 8, recipe, torch.device("cuda"))
 
 What differs between a simulation and a measurement is only what watches
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -86,16 +86,15 @@ def cast_model(model: torch.nn.Module, recipe: Recipe) -> torch.nn.Module:
     return model.to(torch.bfloat16) if recipe.precision == "bf16" else model
 
 
-def prepare(model: torch.nn.Module, recipe: Recipe) -> Training:
-    """Train mode, checkpointing, the optimizer and the GradScaler, as every run sets them up."""
+def prepare(model: torch.nn.Module, recipe: Recipe, device: torch.device) -> Training:
+    """Train mode, checkpointing, the optimizer and the GradScaler (for ``device``), as every run sets them up."""
     model.train()
     notes = []
     if recipe.gradient_checkpointing:
         notes.append(enable_checkpointing(model, recipe.gradient_checkpointing))
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(recipe, params)
-    device = next((p.device.type for p in params), "cpu")
-    scaler = torch.amp.GradScaler(device) if recipe.uses_grad_scaler else None
+    scaler = torch.amp.GradScaler(device.type) if recipe.uses_grad_scaler else None
     return Training(model, params, optimizer, scaler, notes)
 
 
@@ -160,10 +159,5 @@ def _forward(hooks: StepHooks, model: torch.nn.Module, inputs: Any, targets: Any
         loss = hooks.call(Phase.LOSS, functools.partial(loss_fn, out, targets))
         del out
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise SimulationError("the loss must be a tensor with one element", "loss")
+        raise SimulationError("the loss must be a tensor with one element", Phase.LOSS)
     return loss
-
-
-def tensors(items: Iterable[Any]) -> Iterator[torch.Tensor]:
-    """The tensors among ``items``."""
-    return (t for t in items if isinstance(t, torch.Tensor))

@@ -31,7 +31,7 @@ def real_cpu_peak(name: str, recipe: Recipe, batch: int = BATCH) -> int:
     profiling = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
     with torch.backends.mkldnn.flags(enabled=False), profiling as prof:
         # the loop the simulation runs (estimator/simulate/step.py), for real on the CPU
-        training = prepare(cast_model(mf(), recipe), recipe)
+        training = prepare(cast_model(mf(), recipe), recipe, torch.device("cpu"))
         run_steps(training, bf, lf, batch, recipe, torch.device("cpu"))
         del training
     from torch._C._profiler import _EventType
