@@ -4,7 +4,12 @@
 
 Each request runs through ``estimate`` on three cards (sm75, sm80, sm90);
 per card the max and recommended batch, how the max was found, and the
-allocated, reserved and device peaks at the max.
+allocated, reserved and device peaks at the max (tests/golden.json). The
+rest of each response's numbers (tests/golden_details.json): per card the
+memory at the max and at the recommendation, and a 4-point memory curve;
+per request the per-sample and fixed bytes, FLOPs per sample, parameter
+count and the breakdown. Both were recorded before issue 12's refactor
+(commit 0cbca65), and the refactored code reproduces them byte for byte.
 """
 
 from __future__ import annotations
@@ -14,6 +19,11 @@ import sys
 from pathlib import Path
 
 PATH = Path(__file__).with_name("golden.json")
+DETAILS = Path(__file__).with_name("golden_details.json")
+MEMORY = ("batch_size", "allocated_peak_bytes", "reserved_peak_bytes", "device_peak_bytes", "fits", "peak_phase",
+          "peak_module")
+BREAKDOWN = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "inputs", "buffers",
+             "workspace", "batch_size")
 CARDS = ["T4-16GB", "A100-40GB", "H100-80GB"]
 TV = lambda name, **k: {"source": "torchvision", "name": name, **k}  # noqa: E731
 TIMM = lambda name: {"source": "timm", "name": name}  # noqa: E731
@@ -60,22 +70,37 @@ def _spelled(search) -> str:
             SearchMethod.FULL: "full"}[search.method]
 
 
-def answers(name: str) -> list[dict]:
+def _memory(m) -> dict | None:
+    return None if m is None else {k: getattr(m, k) for k in MEMORY}
+
+
+def answers(name: str) -> tuple[list[dict], dict]:
+    """(the answers per card, the response's other numbers) for request ``name``: one estimate."""
     from estimator.pipeline import estimate
     from estimator.request.spec import parse_request
 
     model, inp, training = REQUESTS[name]
     request = parse_request({"model": model, "input": inp, "training": training, "gpus": CARDS,
-                             "planner": {"curve_points": 0}})
-    return [{"gpu": r.gpu, "max": r.max_batch_size, "recommended": r.recommended_batch_size,
-             "search": _spelled(r.search),
-             "allocated": r.memory.allocated_peak_bytes, "reserved": r.memory.reserved_peak_bytes,
-             "device": r.memory.device_peak_bytes} for r in estimate(request).results]
+                             "planner": {"curve_points": 4}})
+    r = estimate(request)
+    cards = [{"gpu": g.gpu, "max": g.max_batch_size, "recommended": g.recommended_batch_size,
+              "search": _spelled(g.search),
+              "allocated": g.memory.allocated_peak_bytes, "reserved": g.memory.reserved_peak_bytes,
+              "device": g.memory.device_peak_bytes} for g in r.results]
+    details = {
+        "per_sample_bytes": r.per_sample_bytes, "fixed_bytes": r.fixed_bytes, "flops_per_sample": r.flops_per_sample,
+        "parameter_count": r.parameter_count, "breakdown": {k: getattr(r.breakdown, k) for k in BREAKDOWN},
+        "results": [{"memory": _memory(g.memory), "max_memory": _memory(g.max_memory),
+                     "recommended_memory": _memory(g.recommended_memory),
+                     "curve": [[c.batch_size, c.device_peak_bytes] for c in g.curve]} for g in r.results],
+    }
+    return cards, details
 
 
 if __name__ == "__main__":
-    recorded = {}
+    recorded, details = {}, {}
     for name in REQUESTS:
-        recorded[name] = answers(name)
+        recorded[name], details[name] = answers(name)
         print(name, [(a["gpu"], a["max"], a["recommended"]) for a in recorded[name]], file=sys.stderr)
     PATH.write_text(json.dumps(recorded, indent=1) + "\n")
+    DETAILS.write_text(json.dumps(details, indent=1, sort_keys=True) + "\n")
