@@ -206,3 +206,13 @@ def test_cli_table_shows_both_batches_and_the_advice_asked_for(tmp_path, capsys,
                           f"{r['recommended_memory']['device_peak_bytes'] / 2**30:.2f}"]
     assert f"{r['learning_rate']['lr']:.3g}" in cells and f"{r['step_seconds']:.3f}" in cells
     assert "learning rate: sqrt scaling" in table[1]
+
+
+def test_every_task_of_the_schema_has_a_transformers_head() -> None:
+    """The Task vocabulary (request/spec.py) and the Auto classes that build each head name the same tasks."""
+    from typing import get_args
+
+    from estimator.models.transformers_models import AUTO_CLASSES
+    from estimator.request.spec import Task
+
+    assert set(AUTO_CLASSES) == set(get_args(Task))
