@@ -68,13 +68,7 @@ def max_batch(probe: Callable[[int], tuple[bool, int]], capacity: int, limit: in
             lo = b
         else:
             hi = b
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if probe(mid)[0]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    return bisect(lambda b: probe(b)[0], lo, hi)
 
 
 def max_batch_between(fits: Callable[[int], bool], lo: int, hi: int, guess: int) -> int:
@@ -104,6 +98,15 @@ def max_batch_between(fits: Callable[[int], bool], lo: int, hi: int, guess: int)
                 break
             hi -= step
             step *= 2
+    return bisect(fits, lo, hi)
+
+
+def bisect(fits: Callable[[int], bool], lo: int, hi: int) -> int:
+    """The largest ``b`` in [lo, hi) that fits, given fits(lo) (or lo a floor) and not fits(hi).
+
+    >>> bisect(lambda b: b <= 37, 1, 100)
+    37
+    """
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if fits(mid):
@@ -172,11 +175,4 @@ def max_fitting(fits: Callable[[int], bool], limit: int) -> int | None:
     """
     if fits(limit):
         return limit
-    lo, hi = 0, limit
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo or None
+    return bisect(fits, 0, limit) or None
