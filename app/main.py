@@ -23,7 +23,7 @@ from starlette.responses import Response
 
 from app import logs
 from app.auth import check_key
-from app.cache import RedisCache, SingleFlight, SQLiteCache
+from app.cache import SingleFlight, open_cache, source_hash
 from app.errors import HTTP_PROBLEMS, error_problem, on_batchfit_error, on_http_error, on_validation_error, problem
 from app.metrics import Metrics
 from app.pool import Pool
@@ -50,10 +50,9 @@ def create_app(settings: Settings | None = None, *, start_workers: bool = True) 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         logs.setup()
-        if settings.redis_url:
-            app.state.cache = RedisCache(settings.redis_url, settings.cache_ttl_s)
-        elif settings.cache_path:
-            app.state.cache = SQLiteCache(settings.cache_path, settings.cache_ttl_s)
+        source_hash()  # part of every cache key: read the estimator's files now, not on the first request
+        errors = app.state.metrics.cache_errors
+        app.state.cache = open_cache(settings, on_error=lambda op: errors.labels(op).inc())  # degraded, never fails
         app.state.pool = Pool(settings)
         if start_workers:
             await app.state.pool.start()

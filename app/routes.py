@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from functools import lru_cache
 from typing import Annotated, Any
@@ -43,7 +44,7 @@ async def post_estimate(
     if body.validate_step:
         return await _validate(app, body)
     key = cache_key(body.model_dump(mode="json"))
-    hit = app.state.cache.get(key) if app.state.cache else None
+    hit = await asyncio.to_thread(app.state.cache.get, key) if app.state.cache else None  # off the event loop
     if hit is not None:
         app.state.metrics.cache_hits.inc()
         return JSONResponse(hit, headers={"X-Batchfit-Cache": "hit"})
@@ -58,7 +59,7 @@ async def post_estimate(
         return refused.response()
     if reply.kind == ReplyKind.OK:
         if app.state.cache:
-            app.state.cache.set(key, reply.payload)
+            await asyncio.to_thread(app.state.cache.set, key, reply.payload)
         return JSONResponse(reply.payload, headers={"X-Batchfit-Cache": "miss"})
     return _reply_problem(reply)
 
@@ -137,15 +138,21 @@ def healthz() -> dict:
     return {"status": "ok"}
 
 
-@router.get("/readyz", summary="Workers and cache ready", responses={503: {"description": "not ready"}})
+@router.get("/readyz", summary="Workers ready, and the cache's state", responses={503: {"description": "not ready"}})
 def readyz(request: Request) -> Any:
+    """200 while a worker is alive: a degraded cache only means estimates are computed without it."""
     app = request.app
-    pool = app.state.pool
+    pool, cache = app.state.pool, app.state.cache
     live = pool.live if pool is not None and pool.ready else 0
     pool_ok = live > 0
-    cache_ok = app.state.cache is None or app.state.cache.ping()
-    body = {"workers": pool_ok, "live_workers": live, "cache": cache_ok}
-    return JSONResponse(body, status_code=200 if pool_ok and cache_ok else 503)
+    if cache is None:
+        cache_state, cache_error = "off", None
+    elif cache.ping():
+        cache_state, cache_error = "ok", None
+    else:
+        cache_state, cache_error = "degraded", cache.error or "not answering"
+    body = {"workers": pool_ok, "live_workers": live, "cache": cache_state, "cache_error": cache_error}
+    return JSONResponse(body, status_code=200 if pool_ok else 503)
 
 
 @router.get("/metrics", summary="Prometheus metrics", response_class=Response,

@@ -25,7 +25,9 @@ class Settings(BaseSettings):
     worker_memory_bytes: int = Field(8 * 2**30, ge=2**28, description="a worker over this RSS is killed")
     cache_path: str = Field(".batchfit-cache.sqlite", description="SQLite result cache ('' disables)")
     redis_url: str | None = Field(None, description="use Redis for the cache instead of SQLite")
-    cache_ttl_s: int = Field(7 * 24 * 3600, ge=0)
+    cache_ttl_s: int = Field(7 * 24 * 3600, ge=0, description="cached answers expire after this (7 days); 0: never")
+    cache_retry_s: float = Field(5.0, ge=0, description="a degraded cache (a broken file, Redis down) is "
+                                 "tried again at most this often")
     api_keys: str = Field("", description="comma-separated keys; empty: no auth")
     retry_after_s: int = Field(5, ge=1, description="Retry-After when the queue is full")
     max_body_bytes: int = Field(2**20, ge=1024, le=2**30, description="larger request bodies get 413, unread")

@@ -90,4 +90,4 @@ def test_service_uses_redis_when_configured(redis_url) -> None:
     app = create_app(Settings(workers=1, redis_url=redis_url), start_workers=False)
     with TestClient(app) as c:
         assert isinstance(app.state.cache, RedisCache)
-        assert c.get("/readyz").json()["cache"] is True
+        assert c.get("/readyz").json()["cache"] == "ok"

@@ -29,7 +29,7 @@ def client(tmp_path_factory):
 
 def test_healthz_readyz_gpus_models_metrics(client) -> None:
     assert client.get("/healthz").json() == {"status": "ok"}
-    assert client.get("/readyz").json() == {"workers": True, "live_workers": 1, "cache": True}
+    assert client.get("/readyz").json() == {"workers": True, "live_workers": 1, "cache": "ok", "cache_error": None}
     gpus = client.get("/gpus").json()
     assert [g["name"] for g in gpus["gpus"]] == list(CATALOG)
     models = client.get("/models").json()
