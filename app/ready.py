@@ -8,7 +8,8 @@ import httpx
 
 
 def wait_ready(url: str, timeout_s: float = 300.0) -> None:
-    """Poll ``url``/readyz until it answers 200 (a worker is live; a degraded cache does not stop it); TimeoutError after ``timeout_s``."""
+    """Poll ``url``/readyz until it answers 200 (a live worker; a degraded cache does not
+    stop it); TimeoutError after ``timeout_s``."""
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         try:
