@@ -127,11 +127,6 @@ class Pool:
         return len(self._workers) - self._idle.qsize()
 
     @property
-    def pids(self) -> list[int | None]:
-        """The worker processes' ids, in start order (a replaced worker's successor comes last)."""
-        return [w.pid for w in self._workers]
-
-    @property
     def live(self) -> int:
         """Worker processes alive now (a dead one is replaced when next handed out or when its job fails)."""
         return sum(w.alive for w in self._workers)
