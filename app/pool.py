@@ -139,8 +139,13 @@ class Pool:
             worker.process.kill()
         task = asyncio.ensure_future(self._replace(worker, reason, running))
         self._renewals.add(task)
-        task.add_done_callback(self._renewals.discard)
+        task.add_done_callback(self._renewed)
         return task
+
+    def _renewed(self, task: asyncio.Task) -> None:
+        self._renewals.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # the pool is a worker short
+            logs.log("worker not replaced", error=repr(task.exception()))
 
     async def _replace(self, worker: _Worker, reason: str, running: asyncio.Future | None) -> None:
         loop = asyncio.get_running_loop()
