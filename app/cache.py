@@ -325,23 +325,42 @@ class RedisCache(Cache):
 
 
 class SingleFlight:
-    """``run(key, fn)``: concurrent callers with the same key share one ``fn()``."""
+    """``run(key, fn)``: concurrent callers with the same key share one ``fn()``.
+
+    ``fn()`` runs in a task of its own, not in any caller's: a caller that is cancelled (its client
+    went away) stops waiting, and the computation is cancelled only when no caller waits for it any
+    more (then the key is free at once: a new caller starts a new computation).
+    """
 
     def __init__(self) -> None:
-        self._inflight: dict[str, asyncio.Future] = {}
+        self._inflight: dict[str, _Flight] = {}
+
+    def waiting(self, key: str) -> int:
+        """How many callers wait for ``key``'s computation now (0: none runs)."""
+        flight = self._inflight.get(key)
+        return flight.waiters if flight is not None else 0
 
     async def run(self, key: str, fn: Callable[[], Awaitable[Any]]) -> Any:
-        if key in self._inflight:
-            return await asyncio.shield(self._inflight[key])
-        future = asyncio.get_running_loop().create_future()
-        self._inflight[key] = future
+        flight = self._inflight.get(key)
+        if flight is None:
+            flight = self._inflight[key] = _Flight(asyncio.ensure_future(fn()))
+            flight.task.add_done_callback(lambda _task: self._forget(key, flight))
+        flight.waiters += 1
         try:
-            result = await fn()
-            future.set_result(result)
-            return result
-        except BaseException as exc:
-            future.set_exception(exc)
-            future.exception()  # retrieved: no "never retrieved" warning when nobody else waits
-            raise
+            return await asyncio.shield(flight.task)
         finally:
+            flight.waiters -= 1
+            if flight.waiters == 0 and not flight.task.done():  # every caller left: nobody wants the answer
+                self._forget(key, flight)
+                flight.task.cancel()
+
+    def _forget(self, key: str, flight: _Flight) -> None:
+        if self._inflight.get(key) is flight:
             del self._inflight[key]
+        if flight.task.done() and not flight.task.cancelled():
+            flight.task.exception()  # retrieved: no "never retrieved" warning when every caller left
+
+
+class _Flight:
+    def __init__(self, task: asyncio.Future) -> None:
+        self.task, self.waiters = task, 0

@@ -59,8 +59,11 @@ class Problem(BaseModel):
 
 
 def problem_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
-    text = {401: "missing or wrong API key", 422: "a field batchfit cannot use, a model that cannot be simulated, "
-            "or an estimate past the service's limits", 503: "every worker busy and the queue full (Retry-After)",
+    text = {400: "a body that is not valid JSON (`field` \"(body)\", `expected` names the line and column) "
+                 "or cannot be decoded", 401: "missing or wrong API key",
+            413: "a body over BATCHFIT_MAX_BODY_BYTES", 415: "a body that is not application/json",
+            422: "a field batchfit cannot use, a model that cannot be simulated, "
+                 "or an estimate past the service's limits", 503: "every worker busy and the queue full (Retry-After)",
             500: "a batchfit defect (never for bad input)"}
     return {c: {"model": Problem, "description": text[c], "content": {PROBLEM: {}}} for c in codes}
 
@@ -96,21 +99,47 @@ def error_problem(exc: BatchfitError, headers: dict[str, str] | None = None) -> 
     return problem(status, kind, title, detail[:2000], headers, **extra)
 
 
-# Starlette's own errors (routing, body parsing) by status: kind and title.
+# The answers of the HTTP layer (routing, body parsing, the middleware) by status: kind and title.
 HTTP_PROBLEMS = {
     400: ("bad-request", "The request body cannot be read"),
     404: ("not-found", "No such route"),
     405: ("method-not-allowed", "The route does not take this method"),
     413: ("too-large", "The request body is too large"),
     415: ("unsupported-media-type", "The request body must be application/json"),
+    422: PROBLEMS[SpecError][1:],
+    499: ("client-closed", "The client closed the connection before the answer"),
+    500: PROBLEMS[BatchfitError][1:],
+    503: ("unavailable", "The service cannot answer now"),
 }
 
 
 async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
-    """Starlette's HTTPException (404, 405, a body FastAPI cannot decode: 400) as problem+json."""
+    """Starlette's HTTPException (404, 405, a body FastAPI cannot decode: 400) as problem+json; a 400
+    names why the body could not be read (not UTF-8, nested too deep, an integer too long)."""
     assert isinstance(exc, StarletteHTTPException)
     kind, title = HTTP_PROBLEMS.get(exc.status_code, ("http-error", "The request failed"))
-    return problem(exc.status_code, kind, title, str(exc.detail)[:200], dict(exc.headers or {}) or None)
+    detail = str(exc.detail)
+    if exc.status_code == 400 and exc.__cause__ is not None:
+        detail = f"{detail}: {type(exc.__cause__).__name__}: {exc.__cause__}"
+    return problem(exc.status_code, kind, title, detail[:200], dict(exc.headers or {}) or None)
+
+
+def unsupported_media_type(received: str | None) -> JSONResponse:
+    """415 for a body sent as anything but JSON (``application/json``, parameters allowed, or
+    ``application/*+json``), before the body is read."""
+    kind, title = HTTP_PROBLEMS[415]
+    value = _safe(received)
+    got = "no Content-Type" if received is None else f"Content-Type {value!r}"
+    return problem(415, kind, title, f"the body came with {got}; expected application/json",
+                   {"Accept-Post": "application/json"}, field="Content-Type", value=value,
+                   expected="application/json")
+
+
+async def on_unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    """Any other exception (a batchfit defect) as a 500 problem; Starlette re-raises it afterwards, so
+    the server logs its traceback."""
+    kind, title = HTTP_PROBLEMS[500]
+    return problem(500, kind, title, f"{type(exc).__name__}: {exc}"[:200])
 
 
 async def on_batchfit_error(request: Request, exc: Exception) -> JSONResponse:
@@ -120,11 +149,28 @@ async def on_batchfit_error(request: Request, exc: Exception) -> JSONResponse:
 
 async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
-    err = describe_validation_error(exc.errors()[0])
+    first = exc.errors()[0]
+    if first["type"] == "json_invalid":
+        return _invalid_json(first, exc.body)
+    err = describe_validation_error(first)
     value = _safe(err.value)
     status, kind, title = PROBLEMS[SpecError]
     return problem(status, kind, title, f"{err.field}: got {value!r}; expected {err.expected}", field=err.field,
                    value=value, expected=err.expected)
+
+
+def _invalid_json(err: dict[str, Any], doc: Any) -> JSONResponse:
+    """400 for a body that is not JSON: where it stops being JSON (line, column, character) and why, with
+    the text around that place as ``value``."""
+    pos = err["loc"][-1] if isinstance(err["loc"][-1], int) else 0
+    text = doc if isinstance(doc, str) else ""
+    line, column = text.count("\n", 0, pos) + 1, pos - text.rfind("\n", 0, pos)
+    why = (err.get("ctx") or {}).get("error", "not JSON")
+    expected = f"valid JSON: {why} at line {line} column {column} (char {pos})"
+    value = _safe(text[max(0, pos - 30):pos + 30])
+    kind, title = HTTP_PROBLEMS[400]
+    return problem(400, kind, title, f"(body): got {value!r}; expected {expected}", field="(body)", value=value,
+                   expected=expected)
 
 
 def _safe(value: Any) -> Any:

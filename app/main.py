@@ -24,7 +24,16 @@ from starlette.responses import Response
 from app import logs
 from app.auth import check_key
 from app.cache import SingleFlight, open_cache, source_hash
-from app.errors import HTTP_PROBLEMS, error_problem, on_batchfit_error, on_http_error, on_validation_error, problem
+from app.errors import (
+    HTTP_PROBLEMS,
+    error_problem,
+    on_batchfit_error,
+    on_http_error,
+    on_unexpected_error,
+    on_validation_error,
+    problem,
+    unsupported_media_type,
+)
 from app.metrics import Metrics
 from app.pool import Pool
 from app.routes import router
@@ -33,6 +42,7 @@ from estimator import __version__
 from estimator.errors import BatchfitError, Unauthorized
 
 OPEN = {"/healthz", "/readyz"}  # without a key even when keys are set
+JSON_BODY = {"/estimate"}  # the routes that take a body: application/json, else 415
 ROUTES = {"/estimate", "/gpus", "/models", "/healthz", "/readyz", "/metrics", "/docs", "/openapi.json"}
 
 
@@ -74,6 +84,7 @@ def create_app(settings: Settings | None = None, *, start_workers: bool = True) 
     app.add_exception_handler(BatchfitError, on_batchfit_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(Exception, on_unexpected_error)  # a 500 is problem+json too
 
     @app.middleware("http")
     async def around(request: Request, call_next):
@@ -92,15 +103,33 @@ def create_app(settings: Settings | None = None, *, start_workers: bool = True) 
         if declared is not None:
             if not declared.isdigit() or int(declared) > limit:
                 return _finish(app, _body_too_large(f"the body is {declared} bytes", limit), route, rid, t0)
-        elif request.method in ("POST", "PUT", "PATCH"):
+        content_type = request.headers.get("content-type")
+        if request.method == "POST" and route in JSON_BODY and _has_body(request) and not _is_json(content_type):
+            return _finish(app, unsupported_media_type(content_type), route, rid, t0)
+        if declared is None and request.method in ("POST", "PUT", "PATCH"):
             streamed = request._receive = _LimitedBody(request.receive, limit)
-        response: Response = await call_next(request)
+        try:
+            response: Response = await call_next(request)
+        except Exception:  # rendered by on_unexpected_error, then logged by the server: counted here
+            _count(app, 500, route, rid, t0)
+            raise
         if streamed is not None and streamed.exceeded:  # what the route saw was cut off at the limit
             response = _body_too_large(f"the body passed {limit} bytes", limit)
         return _finish(app, response, route, rid, t0)
 
     app.include_router(router)
     return app
+
+
+def _has_body(request: Request) -> bool:
+    declared = request.headers.get("content-length")
+    return int(declared) > 0 if declared is not None else "transfer-encoding" in request.headers
+
+
+def _is_json(content_type: str | None) -> bool:
+    """``application/json`` or ``application/*+json``, any parameters (``charset=utf-8``), as FastAPI reads."""
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
 def _body_too_large(what: str, limit: int) -> Response:
@@ -114,10 +143,15 @@ class _LimitedBody:
     there, unread beyond, and marks the request ``exceeded`` (the middleware answers 413)."""
 
     def __init__(self, receive: Any, limit: int) -> None:
-        self.receive, self.limit, self.seen, self.exceeded = receive, limit, 0, False
+        self.receive, self.limit, self.seen, self.exceeded, self.ended = receive, limit, 0, False, False
 
     async def __call__(self) -> Any:
+        if self.ended:  # after the cut: the rest of the body is dropped, then what the server says (disconnect)
+            while (message := await self.receive())["type"] == "http.request":
+                pass
+            return message
         if self.exceeded:
+            self.ended = True
             return {"type": "http.request", "body": b"", "more_body": False}
         message = await self.receive()
         if message["type"] == "http.request":
@@ -129,10 +163,14 @@ class _LimitedBody:
 
 
 def _finish(app: FastAPI, response, route: str, rid: str, t0: float):
+    response.headers["X-Request-ID"] = rid
+    _count(app, response.status_code, route, rid, t0)
+    return response
+
+
+def _count(app: FastAPI, status: int, route: str, rid: str, t0: float) -> None:
     dt = time.perf_counter() - t0
     known = route if route in ROUTES else "(other)"  # bounded label values
-    app.state.metrics.requests.labels(known, str(response.status_code)).inc()
+    app.state.metrics.requests.labels(known, str(status)).inc()
     app.state.metrics.latency.labels(known).observe(dt)
-    response.headers["X-Request-ID"] = rid
-    logs.log("request", request_id=rid, route=route, status=response.status_code, seconds=round(dt, 4))
-    return response
+    logs.log("request", request_id=rid, route=route, status=status, seconds=round(dt, 4))

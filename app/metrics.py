@@ -24,6 +24,9 @@ class Metrics:
         self.workers_busy = Gauge("batchfit_workers_busy", "workers running an estimate", registry=self.registry)
         self.worker_restarts = Counter("batchfit_worker_restarts_total", "workers killed at a limit and replaced",
                                        registry=self.registry)
+        self.estimates_cancelled = Counter("batchfit_estimates_cancelled_total", "estimates cancelled, queued "
+                                           "or running, because every client waiting for them disconnected",
+                                           registry=self.registry)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

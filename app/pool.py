@@ -4,6 +4,9 @@ The event loop never blocks: waiting on a worker happens in a thread. A
 worker past ``request_timeout_s`` or ``worker_memory_bytes`` (its RSS, read
 from /proc) is killed and replaced; the caller gets ``LimitExceeded``.
 When every worker is busy and ``queue_size`` callers already wait, ``Busy``.
+A caller cancelled (its client went away) leaves the queue, or, when its job
+runs, has its worker killed at once and replaced: a torch simulation has no
+cooperative cancel.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import os
 import time
 from typing import Any
 
+from app import logs
 from app.settings import Settings
 from app.worker import Reply, serve
 from estimator.errors import Busy, LimitExceeded, WorkerDied
@@ -46,6 +50,10 @@ class _Worker:
     def alive(self) -> bool:
         return self.process.is_alive()
 
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
     def _died(self) -> WorkerDied:
         self.process.join(1)
         code = self.process.exitcode
@@ -69,6 +77,7 @@ class _Worker:
                                                   f"{memory // 2**20} MiB")
         except (EOFError, OSError) as exc:
             raise self._died() from exc
+
     def kill(self) -> None:
         if self.process.is_alive():
             self.process.kill()
@@ -95,6 +104,7 @@ class Pool:
         self._ids = itertools.count()
         self.ready = False
         self.restarts = 0
+        self._renewals: set[asyncio.Task] = set()
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -107,6 +117,7 @@ class Pool:
 
     async def stop(self) -> None:
         self.ready = False
+        await asyncio.gather(*self._renewals, return_exceptions=True)
         loop = asyncio.get_running_loop()
         await asyncio.gather(*(loop.run_in_executor(None, w.stop) for w in self._workers))
         self._workers.clear()
@@ -120,35 +131,75 @@ class Pool:
         """Worker processes alive now (a dead one is replaced when next handed out or when its job fails)."""
         return sum(w.alive for w in self._workers)
 
-    async def _replace(self, worker: _Worker) -> _Worker:
+    def _renew(self, worker: _Worker, reason: str, running: asyncio.Future | None = None) -> asyncio.Task:
+        """Kill ``worker`` now and replace it in a task of its own, which a caller's cancellation does not
+        stop; the fresh worker joins the idle queue when it is ready. ``running``: the thread still waiting
+        on ``worker`` (it returns once the worker is dead; the pipe is closed after it)."""
+        if worker.alive:
+            worker.process.kill()
+        task = asyncio.ensure_future(self._replace(worker, reason, running))
+        self._renewals.add(task)
+        task.add_done_callback(self._renewed)
+        return task
+
+    def _renewed(self, task: asyncio.Task) -> None:
+        self._renewals.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # the pool is a worker short
+            logs.log("worker not replaced", error=repr(task.exception()))
+
+    async def _replace(self, worker: _Worker, reason: str, running: asyncio.Future | None) -> None:
         loop = asyncio.get_running_loop()
+        if running is not None:
+            await asyncio.wait([running])
+            if not running.cancelled():
+                running.exception()  # retrieved: its WorkerDied is the kill's expected echo
         self._workers.remove(worker)
         await loop.run_in_executor(None, worker.kill)
-        fresh = _Worker(self._ctx)
-        await loop.run_in_executor(None, fresh.wait_ready, 300.0)
-        self._workers.append(fresh)
         self.restarts += 1
-        return fresh
+        if not self.ready:  # stopping: no replacement
+            return
+        fresh = _Worker(self._ctx)
+        try:
+            await loop.run_in_executor(None, fresh.wait_ready, 300.0)
+        except BaseException:
+            await loop.run_in_executor(None, fresh.kill)
+            raise
+        self._workers.append(fresh)
+        self._idle.put_nowait(fresh)
+        logs.log("worker replaced", reason=reason, old_pid=worker.pid, pid=fresh.pid)
 
     async def run(self, body: Any) -> Reply:
         """A worker's reply; ``Busy``, ``LimitExceeded`` or ``WorkerDied`` otherwise (then the worker is
-        replaced before it is handed out again)."""
+        replaced before the error is raised). Cancelled: a job still queued leaves the queue; a running
+        job's worker is killed at once and replaced in the background."""
         if self._idle.empty() and self._waiting >= self.settings.queue_size:
             raise Busy()
         self._waiting += 1
         try:
             worker = await self._idle.get()
+            while not worker.alive:  # died while idle
+                await asyncio.shield(self._renew(worker, "died while idle"))
+                worker = await self._idle.get()
+        except asyncio.CancelledError:
+            logs.log("estimate cancelled", state="queued")
+            raise
         finally:
             self._waiting -= 1
         loop = asyncio.get_running_loop()
         s = self.settings
+        job = next(self._ids)
+        call = loop.run_in_executor(None, worker.call, job, body, s.request_timeout_s, s.worker_memory_bytes)
         try:
-            if not worker.alive:  # died while idle
-                worker = await self._replace(worker)
-            return await loop.run_in_executor(None, worker.call, next(self._ids), body, s.request_timeout_s,
-                                              s.worker_memory_bytes)
-        except (LimitExceeded, WorkerDied):
-            worker = await self._replace(worker)
+            reply: Reply = await asyncio.shield(call)  # the shield keeps the thread's future for _renew
+        except (LimitExceeded, WorkerDied) as exc:
+            await asyncio.shield(self._renew(worker, type(exc).__name__))
             raise
-        finally:
+        except asyncio.CancelledError:
+            logs.log("estimate cancelled", state="running", job=job, pid=worker.pid)
+            self._renew(worker, "cancelled", running=call)
+            raise
+        except BaseException:
             self._idle.put_nowait(worker)
+            raise
+        self._idle.put_nowait(worker)
+        return reply

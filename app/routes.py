@@ -4,19 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable
 from functools import lru_cache
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Body, Request
 from fastapi.responses import JSONResponse, Response
 
+from app import logs
 from app.cache import cache_key
-from app.errors import error_problem, problem, problem_responses
+from app.errors import HTTP_PROBLEMS, error_problem, problem, problem_responses
 from app.worker import Reply, ReplyKind
 from estimator import EstimateRequest, EstimateResponse, catalog, check_request
 from estimator.errors import BatchfitError, Busy, LimitExceeded, WorkerDied
 
 router = APIRouter()
+T = TypeVar("T")
 
 EXAMPLE = {
     "model": {"source": "torchvision", "name": "resnet50", "kwargs": {"num_classes": 10}},
@@ -26,7 +29,7 @@ EXAMPLE = {
     "gpus": ["A100-80GB", "H100-80GB"],
     "batch_size": None,
 }
-ERRORS = problem_responses(401, 422, 503)
+ERRORS = problem_responses(400, 401, 413, 415, 422, 503)
 
 
 @router.post("/estimate", response_model=EstimateResponse, responses=ERRORS,
@@ -42,7 +45,7 @@ async def post_estimate(
     # here are rendered by app.errors.on_batchfit_error. The worker gets the parsed request itself.
     check_request(body, allow_local_code=False)
     if body.validate_step:
-        return await _validate(app, body)
+        return await _validate(request, body)
     key = cache_key(body.model_dump(mode="json"))
     hit = await asyncio.to_thread(app.state.cache.get, key) if app.state.cache else None  # off the event loop
     if hit is not None:
@@ -54,9 +57,11 @@ async def post_estimate(
         return await _in_pool(app, body)
 
     try:
-        reply = await app.state.flights.run(key, compute)
+        reply = await _while_connected(request, app.state.flights.run(key, compute))
     except Refused as refused:
         return refused.response()
+    if reply is None:
+        return _client_left()
     if reply.kind == ReplyKind.OK:
         if app.state.cache:
             await asyncio.to_thread(app.state.cache.set, key, reply.payload)
@@ -64,13 +69,20 @@ async def post_estimate(
     return _reply_problem(reply)
 
 
-async def _validate(app: Any, body: EstimateRequest) -> Any:
+async def _validate(request: Request, body: EstimateRequest) -> Any:
     """One validation at a time on this node's GPU; never cached (it is a measurement)."""
-    async with app.state.gpu_lock:
-        try:
-            reply = await _in_pool(app, body)
-        except Refused as refused:
-            return refused.response()
+    app = request.app
+
+    async def locked() -> Reply:
+        async with app.state.gpu_lock:
+            return await _in_pool(app, body)
+
+    try:
+        reply = await _while_connected(request, locked())
+    except Refused as refused:
+        return refused.response()
+    if reply is None:
+        return _client_left()
     if reply.kind == ReplyKind.OK:
         return JSONResponse(reply.payload)
     return _reply_problem(reply)
@@ -88,6 +100,39 @@ class Refused(Exception):
         return error_problem(self.error, self.headers)
 
 
+async def _while_connected(request: Request, work: Awaitable[T]) -> T | None:
+    """``work``'s result, or None when the client disconnects first: then ``work`` is cancelled (the
+    pool drops a queued job and kills and replaces the worker of a running one; a computation that an
+    identical request still waits for goes on: app.cache.SingleFlight)."""
+    job = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({job, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not job.done() and gone.exception() is not None:  # cannot watch the connection: just wait
+            logs.log("cannot watch the client's connection", error=repr(gone.exception()))
+            await asyncio.wait({job})
+    finally:
+        gone.cancel()
+        if not job.done():
+            job.cancel()
+    return job.result() if job.done() else None
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the ASGI server says the client closed the connection (``http.disconnect``); the body
+    is read by then, so nothing else should come (anything else is waited past, never spun on)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        await asyncio.sleep(0.25)
+
+
+def _client_left() -> JSONResponse:
+    """What a request whose client disconnected gets (nobody reads it; the access log and
+    ``batchfit_requests_total`` show 499)."""
+    kind, title = HTTP_PROBLEMS[499]
+    return problem(499, kind, title, "the client closed the connection before the answer; its estimate "
+                                     "was cancelled unless an identical request still waits for it")
+
+
 async def _in_pool(app: Any, body: EstimateRequest) -> Reply:
     """Run ``body`` in a worker, with the metrics; ``Refused`` when busy or past a limit."""
     metrics, t0 = app.state.metrics, time.perf_counter()
@@ -95,6 +140,9 @@ async def _in_pool(app: Any, body: EstimateRequest) -> Reply:
     try:
         reply: Reply = await app.state.pool.run(body)
         return reply
+    except asyncio.CancelledError:
+        metrics.estimates_cancelled.inc()
+        raise
     except Busy:
         s = app.state.settings
         raise Refused(Busy(f"{s.workers} workers busy and {s.queue_size} requests waiting; retry later"),

@@ -68,9 +68,9 @@ def test_bad_requests_are_422_problems(client, body, field) -> None:
     assert doc["field"] == field and doc["detail"].startswith(f"{field}: got ")
 
 
-def test_not_json_is_a_422(client) -> None:
+def test_not_json_is_a_400(client) -> None:
     r = client.post("/estimate", content=b"{not json", headers={"content-type": "application/json"})
-    assert r.status_code == 422 and r.headers["content-type"] == PROBLEM
+    assert r.status_code == 400 and r.headers["content-type"] == PROBLEM and r.json()["field"] == "(body)"
 
 
 def test_simulation_failure_is_a_422(client) -> None:
