@@ -4,21 +4,43 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable, Coroutine
 from functools import lru_cache
 from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Body, Request
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 
 from app import logs
 from app.cache import cache_key
 from app.errors import HTTP_PROBLEMS, error_problem, problem, problem_responses
+from app.shape import check_shape
 from app.worker import Reply, ReplyKind
 from estimator import EstimateRequest, EstimateResponse, catalog, check_request
 from estimator.errors import BatchfitError, Busy, LimitExceeded, WorkerDied
 
-router = APIRouter()
+
+class ShapeCheckedRoute(APIRoute):
+    """A route whose body's shape (nesting, separators, number lengths: app/shape.py) is checked on the raw
+    bytes before FastAPI parses it; a refused shape is a 422 naming ``(body)``."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def checked(request: Request) -> Response:
+            if request.method == "POST":
+                body = await request.body()  # kept on the request: FastAPI parses these same bytes
+                if len(body) > 2**16:  # the GIL is handed back to the event loop every few ms meanwhile
+                    await asyncio.to_thread(check_shape, body)
+                else:
+                    check_shape(body)
+            return await handler(request)
+
+        return checked
+
+
+router = APIRouter(route_class=ShapeCheckedRoute)
 T = TypeVar("T")
 
 EXAMPLE = {

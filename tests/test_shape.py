@@ -42,3 +42,22 @@ def test_hostile_shapes_are_refused_at_the_body(body: bytes, expected: str) -> N
 ])
 def test_strings_and_malformed_bodies_pass_to_the_parser(body: bytes) -> None:
     check_shape(body)
+
+
+@pytest.mark.parametrize("content, expected", [
+    ("[" * 1100 + "]" * 1100, "nested at most"),  # Python's parser alone: a 400 after recursing 1000 deep
+    ('{"model": {"source": "torchvision", "name": "resnet18", "kwargs": {' +
+     ", ".join(f'"k{i}": 0' for i in range(MAX_ITEMS)) + "}}}", "separators"),
+    ('{"batch_size": ' + "9" * 5000 + "}", "numbers of at most"),
+])
+def test_the_service_refuses_the_shape_before_parsing(content: str, expected: str) -> None:
+    from fastapi.testclient import TestClient
+
+    from app.main import create_app
+    from app.settings import Settings
+
+    with TestClient(create_app(Settings(workers=1, cache_path=""), start_workers=False)) as client:
+        r = client.post("/estimate", content=content, headers={"content-type": "application/json"})
+    assert r.status_code == 422 and r.headers["content-type"] == "application/problem+json", r.text[:300]
+    body = r.json()
+    assert body["field"] == "(body)" and expected in body["expected"], body
