@@ -59,6 +59,10 @@ class Reply:
 def serve(conn: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when workers stop
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    # Defence in depth, read when huggingface_hub is first imported (below, not before): a request that
+    # names a file or a Hub id is refused before any library sees it (estimator/request/allowed.py).
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     from estimator import check_request, estimate, parse_request, to_json, validate_on_gpu, validation_json
 
     conn.send(("ready", os.getpid()))

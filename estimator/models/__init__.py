@@ -86,14 +86,6 @@ def count_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def refuse_downloads(kwargs: dict[str, Any], field_name: str, keys: dict[str, Any]) -> None:
-    """Keys that would fetch weights (``weights``, ``pretrained``...) must keep their no-download value."""
-    for key, allowed in keys.items():
-        if key in kwargs and kwargs[key] != allowed:
-            raise SpecError(f"{field_name}.{key}", kwargs[key],
-                            f"{allowed!r}: batchfit never downloads weights (memory does not depend on them)")
-
-
 def model_sources() -> dict[str, Any]:
     """What each model source offers, as JSON data (``GET /models``)."""
     from typing import get_args

@@ -1,4 +1,4 @@
-"""timm: any name in ``timm.list_models()`` (a ``.tag`` suffix allowed), kwargs passed through.
+"""timm: any name in ``timm.list_models()`` (a ``.tag`` suffix allowed), with allow-listed kwargs.
 
 Default input: the model's ``pretrained_cfg["input_size"]``; models with a
 fixed patch grid (ViT, DeiT, Swin, Mixer) must be built for the requested
@@ -11,11 +11,9 @@ import functools
 from typing import Any
 
 from estimator.errors import SpecError
-from estimator.models import BuiltModel, count_parameters, probe, refuse_downloads, tasks, unknown_name
+from estimator.models import BuiltModel, count_parameters, probe, tasks, unknown_name
+from estimator.request.allowed import check_model_names
 from estimator.request.spec import InputSpec, TimmModel
-
-# Keys that would read or fetch files.
-_NO_FILES = {"pretrained": False, "checkpoint_path": "", "pretrained_cfg_overlay": None, "cache_dir": None}
 
 
 def build_timm(spec: TimmModel, inp: InputSpec) -> BuiltModel:
@@ -24,8 +22,7 @@ def build_timm(spec: TimmModel, inp: InputSpec) -> BuiltModel:
     base = spec.name.split(".", 1)[0]
     if not timm.is_model(base):
         raise unknown_name("model.name", spec.name, timm.list_models(), "a name in timm.list_models()")
-    kwargs: dict[str, Any] = dict(spec.kwargs)
-    refuse_downloads(kwargs, "model.kwargs", _NO_FILES)
+    kwargs: dict[str, Any] = check_model_names("timm", spec.kwargs)  # allow-listed, download switches dropped
     factory = functools.partial(timm.create_model, spec.name, pretrained=False, **kwargs)
     model = probe(factory, "model.kwargs", spec.kwargs)
     default = tuple(getattr(model, "pretrained_cfg", {}).get("input_size") or (3, 224, 224))

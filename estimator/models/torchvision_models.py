@@ -17,7 +17,8 @@ import functools
 import torchvision.models as tvm
 
 from estimator.errors import SpecError
-from estimator.models import BuiltModel, count_parameters, probe, refuse_downloads, tasks, unknown_name
+from estimator.models import BuiltModel, count_parameters, probe, tasks, unknown_name
+from estimator.request.allowed import check_model_names
 from estimator.request.spec import InputSpec, TorchvisionModel
 
 DEFAULT_FRAMES = 16  # torchvision's video references train on 16-frame clips
@@ -61,8 +62,7 @@ def build_torchvision(spec: TorchvisionModel, inp: InputSpec) -> BuiltModel:
     if family is None:
         known = [n for names in fam.values() for n in names]
         raise unknown_name("model.name", spec.name, known, "a torchvision model name")
-    kwargs = dict(spec.kwargs)
-    refuse_downloads(kwargs, "model.kwargs", {"weights": None, "weights_backbone": None})
+    kwargs = check_model_names("torchvision", spec.kwargs)  # allow-listed, download switches dropped
     kwargs["weights"] = None
     if spec.name in ("googlenet", "inception_v3"):
         # Their scipy-based init only matters for real weights; skipping it

@@ -1,8 +1,10 @@
 """transformers: presets shipped as config JSON, inline configs, five training tasks.
 
 Only transformers' own classes are used (``AutoModelFor*.from_config``); a
-config carrying ``auto_map`` or ``trust_remote_code`` is refused, nothing
-is fetched from the Hub. Each preset file names its source in ``_source``.
+config carrying ``auto_map`` or ``trust_remote_code``, or naming another
+model by name (a backbone, a timm model given by a path or a Hub id), is
+refused at any depth (estimator/request/allowed.py), nothing is fetched
+from the Hub. Each preset file names its source in ``_source``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from estimator.errors import SpecError
 from estimator.models import BuiltModel, count_parameters, probe, tasks, unknown_name
+from estimator.request.allowed import check_config
 from estimator.request.spec import InputSpec, Task, TransformersModel
 
 # The Auto class that builds each task's head.
@@ -32,7 +35,6 @@ _ARCH_TASK: tuple[tuple[str, Task], ...] = (
     ("ForConditionalGeneration", "seq2seq-lm"), ("ForSequenceClassification", "sequence-classification"),
     ("ForImageClassification", "image-classification"),
 )
-_REMOTE_KEYS = ("auto_map", "trust_remote_code")
 
 
 @lru_cache(maxsize=1)
@@ -45,13 +47,16 @@ def presets() -> dict[str, dict[str, Any]]:
     return out
 
 
-def _refuse_remote_code(cfg: Any, path: str) -> None:
-    if isinstance(cfg, dict):
-        for key, value in cfg.items():
-            if key in _REMOTE_KEYS:
-                raise SpecError(f"{path}.{key}", value,
-                                "no remote code: batchfit builds only transformers' own architectures")
-            _refuse_remote_code(value, f"{path}.{key}")
+def _check_names(config: dict[str, Any]) -> None:
+    """estimator/request/allowed.py's config rules, against the installed transformers and timm registries."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    def is_timm_model(name: str) -> bool:
+        import timm
+
+        return bool(timm.is_model(name))
+
+    check_config(config, "model.config", known_types=CONFIG_MAPPING.keys(), is_timm_model=is_timm_model)
 
 
 def _config_dict(spec: TransformersModel) -> dict[str, Any]:
@@ -62,7 +67,7 @@ def _config_dict(spec: TransformersModel) -> dict[str, Any]:
             raise unknown_name("model.preset", spec.preset, sorted(table), "a batchfit preset (GET /models)")
         merged.update(table[spec.preset])
     if spec.config is not None:
-        _refuse_remote_code(spec.config, "model.config")
+        _check_names(spec.config)
         merged.update(spec.config)
     merged.pop("_source", None)
     return merged

@@ -23,6 +23,7 @@ from estimator.gpus import DEFAULT_CONTEXT_BYTES
 from estimator.plan.advice import DEFAULT_EFFICIENCY
 from estimator.plan.search import DEFAULT_HEADROOM, DEFAULT_RESERVE_BYTES
 from estimator.plan.strategy import ConfirmMode
+from estimator.request.allowed import check_request_names
 from estimator.request.limits import (
     MAX_BATCH,
     MAX_CARDS,
@@ -251,7 +252,8 @@ def parse_request(data: Any, *, allow_local_code: bool = False) -> EstimateReque
 
 def check_request(req: EstimateRequest, *, allow_local_code: bool = False) -> EstimateRequest:
     """The rules the schema cannot state, on a request pydantic already validated (FastAPI's body):
-    no local code unless allowed, and a transformers model names a preset or a config."""
+    no local code unless allowed, a transformers model names a preset or a config, and the request
+    names only what it may (estimator/request/allowed.py)."""
     if isinstance(req.model, CustomModel) and not allow_local_code:
         raise SpecError("model.source", "custom", "torchvision, timm or transformers (custom factories run "
                         "only from the library or the CLI's --model, never from a request)")
@@ -259,6 +261,7 @@ def check_request(req: EstimateRequest, *, allow_local_code: bool = False) -> Es
         raise SpecError("model.preset", None, "a preset name or an inline config (or both)")
     free = ("config", req.model.config) if isinstance(req.model, TransformersModel) else ("kwargs", req.model.kwargs)
     _check_json(free[1], f"model.{free[0]}", 0)
+    check_request_names(req.model)  # allow-lists: kwargs, config fields, no paths or URLs
     return req
 
 
