@@ -58,7 +58,7 @@ BAD = [
     (_req({"source": "timm", "name": "resnet18", "kwargs": {"pretrained": True}}),
      "model.kwargs.pretrained", "never downloads"),
     (_req({"source": "torchvision", "name": "resnet18", "kwargs": {"num_clases": 10}}),
-     "model.kwargs", "arguments the constructor accepts"),
+     "model.kwargs.num_clases", "arguments the constructor accepts"),
     (_req({"source": "torchvision", "name": "fasterrcnn_resnet50_fpn"}, input={"num_objects": 0}),
      "input.num_objects", "greater than or equal to 1"),
     # wrong types anywhere
