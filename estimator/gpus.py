@@ -18,6 +18,7 @@ fp32 (non-TF32) throughput from the vendor's datasheet.
 from __future__ import annotations
 
 import difflib
+import re
 from dataclasses import dataclass
 
 from estimator.errors import SpecError, UnknownGPUError
@@ -115,9 +116,28 @@ def get_gpu(name: str, field: str = "gpus") -> GPU:
 DEFAULT_CONTEXT_BYTES = 450 * MIB
 
 
+# A custom card's name: plain text that reads the same in JSON, logs, the CLI's table and HTML.
+CUSTOM_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9 ._()+-]{0,63}$"
+
+
+def custom_name_problem(name: str) -> str | None:
+    """Why ``name`` cannot name a custom card (None: it can): off the pattern, or a catalog card's name or
+    description in any case, which would read as that card with other numbers."""
+    if not re.fullmatch(CUSTOM_NAME_PATTERN, name):
+        return "1 to 64 letters, digits, spaces or ._()+-, starting with a letter or digit"
+    for gpu in CATALOG.values():
+        if name.lower() in (gpu.name.lower(), gpu.description.lower()):
+            return (f"a name no catalog card has: {name!r} is the catalog's {gpu.name} (name that card as a "
+                    "string, or give a custom card another name)")
+    return None
+
+
 def custom_gpu(name: str, memory_bytes: int, compute_capability: str = "8.0",
                context_bytes: int = DEFAULT_CONTEXT_BYTES) -> GPU:
     """A card that is not in the catalog, described by the caller."""
+    problem = custom_name_problem(name)
+    if problem:
+        raise SpecError("gpus[].name", name, problem)
     try:
         major, minor = (int(x) for x in compute_capability.split("."))
     except ValueError as exc:

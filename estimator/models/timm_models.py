@@ -1,8 +1,10 @@
 """timm: any name in ``timm.list_models()`` (a ``.tag`` suffix allowed), with allow-listed kwargs.
 
-Default input: the model's ``pretrained_cfg["input_size"]``; models with a
-fixed patch grid (ViT, DeiT, Swin, Mixer) must be built for the requested
-size (``img_size`` in kwargs), which the request is checked against.
+Default input: the model's ``pretrained_cfg["input_size"]``, with the
+channels of ``in_chans`` and the side of a fixed patch grid when kwargs set
+them (timm keeps the pretrained_cfg of the weights); models with a fixed
+patch grid (ViT, DeiT, Swin, Mixer) must be built for the requested size
+(``img_size`` in kwargs), which the request is checked against.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import functools
 from typing import Any
 
 from estimator.errors import SpecError
-from estimator.models import BuiltModel, count_parameters, probe, tasks, unknown_name
+from estimator.models import BuiltModel, check_image, count_parameters, probe, tasks, unknown_name
 from estimator.request.allowed import check_model_names
 from estimator.request.spec import InputSpec, TimmModel
 
@@ -26,15 +28,26 @@ def build_timm(spec: TimmModel, inp: InputSpec) -> BuiltModel:
     factory = functools.partial(timm.create_model, spec.name, pretrained=False, **kwargs)
     model = probe(factory, "model.kwargs", spec.kwargs)
     default = tuple(getattr(model, "pretrained_cfg", {}).get("input_size") or (3, 224, 224))
+    grid = getattr(getattr(model, "patch_embed", None), "img_size", None)
+    patch_embed = getattr(model, "patch_embed", None)
+    dynamic = getattr(patch_embed, "dynamic_img_size", False) or kwargs.get("dynamic_img_size")
     assumptions: list[str] = []
     if inp.image_size is None:
+        channels_from = sides_from = ("model.name", spec.name)  # its pretrained_cfg
+        if "pretrained_cfg" in kwargs:
+            channels_from = sides_from = ("model.kwargs.pretrained_cfg", kwargs["pretrained_cfg"])
+        if len(default) != 3 or not all(type(x) is int for x in default):
+            raise SpecError(*sides_from, "a model whose pretrained_cfg input_size is [C, H, W], 3 integers")
         c, h, w = default
-        assumptions.append(f"input.image_size not given: {list(default)}, {spec.name}'s pretrained_cfg input_size")
+        if isinstance(kwargs.get("in_chans"), int):  # timm keeps the weights' pretrained_cfg: follow the kwargs
+            c, channels_from = kwargs["in_chans"], ("model.kwargs.in_chans", kwargs["in_chans"])
+        if "img_size" in kwargs and grid is not None and not dynamic:
+            (h, w), sides_from = grid, ("model.kwargs.img_size", kwargs["img_size"])
+        check_image(c, h, w, channels_from, sides_from)
+        assumptions.append(f"input.image_size not given: {[c, h, w]}, {spec.name}'s pretrained_cfg input_size"
+                           + ("" if [c, h, w] == list(default) else " and model.kwargs"))
     else:
         c, h, w = inp.image_size
-        grid = getattr(getattr(model, "patch_embed", None), "img_size", None)
-        patch_embed = getattr(model, "patch_embed", None)
-        dynamic = getattr(patch_embed, "dynamic_img_size", False) or kwargs.get("dynamic_img_size")
         if grid is not None and not dynamic and tuple(grid) != (h, w):
             raise SpecError("input.image_size", inp.image_size,
                             f"[C, {grid[0]}, {grid[1]}]: {spec.name} is built for that size "

@@ -17,7 +17,7 @@ import functools
 import torchvision.models as tvm
 
 from estimator.errors import SpecError
-from estimator.models import BuiltModel, count_parameters, probe, tasks, unknown_name
+from estimator.models import BuiltModel, check_image, count_parameters, probe, tasks, unknown_name
 from estimator.request.allowed import check_model_names
 from estimator.request.spec import InputSpec, TorchvisionModel
 
@@ -88,6 +88,9 @@ def build_torchvision(spec: TorchvisionModel, inp: InputSpec) -> BuiltModel:
     else:
         side = fixed if isinstance(fixed, int) else crop or 224
         c, h, w = 3, side, side
+        side_from = ("model.kwargs.image_size", kwargs["image_size"]) if isinstance(fixed, int) \
+            and "image_size" in kwargs else ("model.name", spec.name)
+        check_image(c, h, w, ("model.name", spec.name), side_from)
         assumptions.append(f"input.image_size not given: [3, {side}, {side}], {spec.name}'s training resolution")
     resolved: dict = {"image_size": [c, h, w]}
     if family == "video":

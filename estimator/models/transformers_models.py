@@ -9,6 +9,7 @@ from the Hub. Each preset file names its source in ``_source``.
 
 from __future__ import annotations
 
+import inspect
 import json
 from functools import lru_cache
 from importlib import resources
@@ -17,8 +18,19 @@ from typing import Any
 import torch
 
 from estimator.errors import SpecError
-from estimator.models import BuiltModel, count_parameters, probe, tasks, unknown_name
+from estimator.models import (
+    BuiltModel,
+    check_image,
+    check_seq_len,
+    count_parameters,
+    describe,
+    given_values,
+    probe,
+    tasks,
+    unknown_name,
+)
 from estimator.request.allowed import check_config
+from estimator.request.limits import MAX_SEQ_LEN
 from estimator.request.spec import InputSpec, Task, TransformersModel
 
 # The Auto class that builds each task's head.
@@ -73,22 +85,66 @@ def _config_dict(spec: TransformersModel) -> dict[str, Any]:
     return merged
 
 
-def _max_positions(config: Any) -> int | None:
+# What a config default's type asks of a request's value (bool before int: a bool is an int).
+_KINDS: tuple[tuple[type, tuple[type, ...], str], ...] = (
+    (bool, (bool,), "true or false"), (int, (int,), "an integer"), (float, (int, float), "a number"),
+    (str, (str,), "a string"), (list, (list,), "a list"), (dict, (dict,), "an object"),
+)
+
+
+def _fits(value: Any, accepted: tuple[type, ...]) -> bool:
+    """``isinstance``, except that true and false are no integers or numbers."""
+    return isinstance(value, accepted) and not (isinstance(value, bool) and int in accepted and bool not in accepted)
+
+
+def _check_values(config_class: type, given: dict[str, Any]) -> None:
+    """The request's config values against the config class, before anything is built: its declared field
+    types where it has them (transformers' strict configs), else the type of its ``__init__`` default."""
+    defaults = {p.name: p.default for p in inspect.signature(config_class).parameters.values()
+                if p.default is not inspect.Parameter.empty}
+    validators = getattr(config_class, "__validators__", {})
+    for key, value in given.items():
+        default = defaults.get(key)
+        accepted, kind = next(((a, what) for t, a, what in _KINDS if isinstance(default, t)), ((object,), ""))
+        for validate in validators.get(key, ()):
+            try:
+                validate(value)
+            except (TypeError, ValueError) as exc:
+                why = describe(exc)
+                raise SpecError(f"model.config.{key}", value, why if _fits(value, accepted) else f"{kind} ({why})") \
+                    from exc
+        if key not in validators and not _fits(value, accepted):
+            raise SpecError(f"model.config.{key}", value, f"{kind}, as {config_class.__name__}'s default {default!r}")
+    architectures = given.get("architectures")
+    if architectures is not None and not (isinstance(architectures, list)
+                                          and all(isinstance(a, str) for a in architectures)):
+        raise SpecError("model.config.architectures", architectures,
+                        "a list of transformers class names, e.g. ['GPT2LMHeadModel']")
+
+
+def _position_key(config: Any) -> str | None:
+    """The config key of the model's position table (None: no table to run past)."""
     if hasattr(config, "relative_attention_num_buckets"):
-        return None  # T5: relative position buckets, no table to run past
+        return None  # T5: relative position buckets
     for key in ("max_position_embeddings", "n_positions"):
         value = getattr(config, key, None)
         if isinstance(value, int) and value > 0:
-            return value
+            return key
     return None
 
 
+def _max_positions(config: Any) -> int | None:
+    key = _position_key(config)
+    return getattr(config, key) if key else None
+
+
 def max_positions(spec: TransformersModel) -> int | None:
-    """The longest seq_len the request's config allows (None: no position table)."""
+    """The longest seq_len the request's config and the input limit allow (None: no position table)."""
     from transformers import AutoConfig
 
     raw = _config_dict(spec)
-    return _max_positions(AutoConfig.for_model(raw.pop("model_type"), **raw))
+    limit = _max_positions(AutoConfig.for_model(raw.pop("model_type"), **raw))
+    return min(limit, MAX_SEQ_LEN) if limit is not None else None
 
 
 def build_transformers(spec: TransformersModel, inp: InputSpec) -> BuiltModel:
@@ -103,10 +159,10 @@ def build_transformers(spec: TransformersModel, inp: InputSpec) -> BuiltModel:
     if model_type not in CONFIG_MAPPING:
         raise unknown_name("model.config.model_type", model_type, list(CONFIG_MAPPING.keys()),
                            "a model type built into transformers")
-    try:
+    if spec.config:
+        _check_values(CONFIG_MAPPING[model_type], spec.config)
+    with given_values("model.config", spec.config, f"a valid {model_type} config"):
         config = AutoConfig.for_model(model_type, **raw)
-    except (TypeError, ValueError, KeyError) as exc:
-        raise SpecError("model.config", spec.config, f"a valid {model_type} config ({exc})") from exc
     architectures = raw.get("architectures") or []
     task = spec.task or next((t for suffix, t in _ARCH_TASK for a in architectures if a.endswith(suffix)),
                              None)
@@ -129,9 +185,11 @@ def build_transformers(spec: TransformersModel, inp: InputSpec) -> BuiltModel:
         return auto.from_config(config, attn_implementation=spec.attn_implementation, dtype=torch.float32)
 
     name = spec.preset or model_type
-    model = probe(factory, "model.config", spec.config if spec.config is not None else spec.preset)
+    model = probe(factory, "model.config", spec.config)
     if task == "image-classification":
-        c, side = int(getattr(config, "num_channels", 3)), int(getattr(config, "image_size", 224))
+        with given_values("model.config", spec.config, "integers num_channels and image_size"):
+            c, side = int(getattr(config, "num_channels", 3)), int(getattr(config, "image_size", 224))
+        check_image(c, side, side, ("model.config.num_channels", c), ("model.config.image_size", side))
         if inp.image_size is not None and inp.image_size != [c, side, side]:
             raise SpecError("input.image_size", inp.image_size,
                             f"[{c}, {side}, {side}] (the config's num_channels and image_size; "
@@ -144,6 +202,9 @@ def build_transformers(spec: TransformersModel, inp: InputSpec) -> BuiltModel:
     seq = inp.seq_len
     if seq is None:
         seq = limit or 512
+        if limit:
+            key = _position_key(config) or ""
+            check_seq_len(limit, (f"model.config.{config.attribute_map.get(key, key)}", limit))
         assumptions.append(f"input.seq_len not given: {seq}, the model's maximum positions" if limit
                            else "input.seq_len not given: 512")
     elif limit is not None and seq > limit:

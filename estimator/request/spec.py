@@ -16,15 +16,16 @@ import math
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator
 
 from estimator.errors import SpecError
-from estimator.gpus import DEFAULT_CONTEXT_BYTES
+from estimator.gpus import CUSTOM_NAME_PATTERN, DEFAULT_CONTEXT_BYTES, custom_name_problem
 from estimator.plan.advice import DEFAULT_EFFICIENCY
 from estimator.plan.search import DEFAULT_HEADROOM, DEFAULT_RESERVE_BYTES
 from estimator.plan.strategy import ConfirmMode
 from estimator.request.allowed import check_request_names
 from estimator.request.limits import (
+    MAX_BASE_LR,
     MAX_BATCH,
     MAX_CARDS,
     MAX_CHANNELS,
@@ -140,11 +141,34 @@ class TrainingSpec(BaseModel):
 
 class CustomGPUSpec(BaseModel):
     model_config = _STRICT
-    name: str = Field(min_length=1, max_length=64)
+    name: str = Field(min_length=1, max_length=64, pattern=CUSTOM_NAME_PATTERN,
+                      description="not a catalog card's name or description, in any case", examples=["my-card"])
     memory_bytes: int = Field(ge=2**20, le=2**44, description="capacity as nvidia-smi reports it")
     compute_capability: str = Field("8.0", pattern=r"^\d{1,2}\.\d$", examples=["8.0"])
     context_bytes: int | None = Field(None, ge=0, le=2**36,
                                       description=f"CUDA context; default {DEFAULT_CONTEXT_BYTES // 2**20} MiB")
+
+    @field_validator("name")
+    @classmethod
+    def _not_a_catalog_name(cls, v: str) -> str:
+        problem = custom_name_problem(v)
+        if problem:
+            raise ValueError(problem)
+        return v
+
+
+def _gpu_kind(value: Any) -> str | None:
+    """A ``gpus`` entry's branch by its JSON type, so an error names the field of the branch it was meant for."""
+    if isinstance(value, str):
+        return "str"
+    return "CustomGPUSpec" if isinstance(value, (dict, CustomGPUSpec)) else None
+
+
+GPUEntry = Annotated[
+    Annotated[str, Tag("str")] | Annotated[CustomGPUSpec, Tag("CustomGPUSpec")],
+    Discriminator(_gpu_kind, custom_error_type="gpu_entry", custom_error_message=(
+        "a valid string or an object {name, memory_bytes, compute_capability}: a catalog name or a custom card")),
+]
 
 
 class PlannerSpec(BaseModel):
@@ -165,7 +189,7 @@ class PlannerSpec(BaseModel):
                               "(powers of two, then 3 x 2^k, up to the max; 0: no curve)")
     data_parallel_ranks: int = Field(1, ge=1, le=65536)
     target_global_batch: int | None = Field(None, ge=1, le=2**30, description="plan accumulation for this batch")
-    base_lr: float | None = Field(None, gt=0, description="a learning rate tuned at base_batch")
+    base_lr: float | None = Field(None, gt=0, le=MAX_BASE_LR, description="a learning rate tuned at base_batch")
     base_batch: int | None = Field(None, ge=1, le=2**30)
     dataset_size: int | None = Field(None, ge=1, le=2**48, description="samples per epoch")
     max_epoch_seconds: float | None = Field(None, gt=0)
@@ -180,7 +204,7 @@ class EstimateRequest(BaseModel):
     model: ModelSpec
     input: InputSpec = Field(default_factory=InputSpec)
     training: TrainingSpec = Field(default_factory=TrainingSpec)
-    gpus: list[str | CustomGPUSpec] | None = Field(
+    gpus: list[GPUEntry] | None = Field(
         None, min_length=1, max_length=MAX_CARDS, description="catalog names or custom cards; null: the whole catalog")
     batch_size: int | None = Field(None, ge=1, le=MAX_BATCH, description="also report memory at exactly this batch")
     planner: PlannerSpec = Field(default_factory=PlannerSpec)

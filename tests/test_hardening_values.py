@@ -1,0 +1,189 @@
+"""Issue 13, bad values in a request: D5 (config and kwargs values), R1 (a model's own input past the limits),
+R6 (learning rates past any recipe), R7 (custom GPU names).
+
+Every case is refused before any simulation: models are built on the meta device only. The service tests
+check the same errors arrive as 422 problem+json, from the worker (D5) or from FastAPI's schema (R6, R7).
+"""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from app.main import create_app
+from app.settings import Settings
+from estimator import parse_request
+from estimator.errors import SpecError
+from estimator.gpus import MIB, custom_gpu
+from estimator.models import build
+from estimator.models.transformers_models import max_positions
+from estimator.request.limits import MAX_SEQ_LEN
+
+TIER = "unit"
+
+PROBLEM = "application/problem+json"
+GPT2 = {"source": "transformers", "preset": "gpt2"}
+
+
+def _refused(model: dict, inp: dict | None = None) -> SpecError:
+    with pytest.raises(SpecError) as info:
+        build(parse_request({"model": model, "input": inp or {}}))
+    return info.value
+
+
+# --- D5: a bad config or kwarg value is a SpecError on its field, not an internal error ---------------------
+
+D5 = [
+    # (model, field, a fragment of what was expected)
+    ({**GPT2, "config": {"n_embd": "abc"}}, "model.config.n_embd", "an integer"),           # a type, before building
+    ({**GPT2, "config": {"n_head": 0}}, "model.config.n_head", "ZeroDivisionError"),        # 768 // 0 in GPT2Attention
+    ({**GPT2, "config": {"architectures": [1, 2]}}, "model.config.architectures", "class names"),
+    ({**GPT2, "config": {"n_head": 5}}, "model.config.n_head", "divisible"),                # 768 heads of 153.6
+    ({"source": "transformers", "preset": "llama-2-7b", "config": {"num_attention_heads": 5}},
+     "model.config.num_attention_heads", "not a multiple"),                                 # the config's own check
+    ({"source": "torchvision", "name": "resnet18", "kwargs": {"num_classes": -3}},
+     "model.kwargs.num_classes", "negative dimension"),                                     # torch.empty(-3, 512)
+]
+
+
+@pytest.mark.parametrize("model, field, expected", D5, ids=[case[1] for case in D5])
+def test_d5_bad_values_name_their_field(model, field, expected) -> None:
+    err = _refused(model)
+    assert err.field == field, str(err)
+    assert expected in err.expected, str(err)
+
+
+def test_d5_the_message_names_the_key_among_several() -> None:
+    # two keys given: the one the constructor's message names is blamed
+    err = _refused({"source": "torchvision", "name": "resnet18", "kwargs": {"num_classes": 10, "num_clases": 10}})
+    assert err.field == "model.kwargs.num_clases" and "unexpected keyword argument" in err.expected
+    # none named: the whole config
+    err = _refused({**GPT2, "config": {"n_layer": 2, "activation_function": "no-such-act"}})
+    assert err.field == "model.config" and "KeyError" in err.expected
+
+
+def test_d5_only_values_from_the_request_become_spec_errors() -> None:
+    from estimator.models import given_values
+
+    # Nothing given: a constructor's failure is batchfit's or the library's defect, and stays as it is.
+    with pytest.raises(ZeroDivisionError), given_values("model.kwargs", {}, "arguments the constructor accepts"):
+        _ = 1 // 0
+    with pytest.raises(SpecError) as info, given_values("model.kwargs", {"depth": 0}, "arguments it accepts"):
+        _ = 1 // 0
+    assert info.value.field == "model.kwargs.depth" and info.value.__cause__ is not None
+
+
+@pytest.mark.service
+def test_d5_the_service_answers_422_from_the_worker(tmp_path) -> None:
+    app = create_app(Settings(workers=1, queue_size=0, cache_path=str(tmp_path / "c.sqlite"), request_timeout_s=120))
+    with TestClient(app) as client:
+        for model, field, _ in (D5[1], D5[5]):
+            r = client.post("/estimate", json={"model": model, "gpus": ["T4-16GB"]})
+            assert r.status_code == 422 and r.headers["content-type"] == PROBLEM, r.text[:300]
+            assert r.json()["field"] == field and r.json()["type"].endswith("/invalid-request")
+
+
+# --- R1: the resolved input is held to the limits of an explicit one ---------------------------------------
+
+R1 = [
+    # (model, field that set the input): each over 8192 px a side, 64 channels or 2^20 tokens
+    ({"source": "timm", "name": "vit_tiny_patch16_224", "kwargs": {"img_size": 8208}}, "model.kwargs.img_size"),
+    ({"source": "timm", "name": "resnet18", "kwargs": {"pretrained_cfg": {"input_size": [3, 9000, 9000]}}},
+     "model.kwargs.pretrained_cfg"),
+    ({"source": "timm", "name": "resnet18", "kwargs": {"in_chans": 65}}, "model.kwargs.in_chans"),
+    ({"source": "torchvision", "name": "vit_b_16", "kwargs": {"image_size": 8208}}, "model.kwargs.image_size"),
+    ({"source": "transformers", "preset": "vit-base-patch16-224", "config": {"image_size": 8208}},
+     "model.config.image_size"),
+    ({**GPT2, "config": {"n_positions": 2**30}}, "model.config.n_positions"),
+    ({"source": "transformers", "preset": "bert-base-uncased", "config": {"max_position_embeddings": 2**21}},
+     "model.config.max_position_embeddings"),
+]
+
+
+@pytest.mark.parametrize("model, field", R1, ids=[case[1] for case in R1])
+def test_r1_a_models_own_input_is_held_to_the_limits(model, field) -> None:
+    err = _refused(model)
+    assert err.field == field, str(err)
+    assert "the limit on input." in err.expected
+
+
+def test_r1_only_the_resolved_input_counts() -> None:
+    # 2^30 positions are fine when the request trains 1024 tokens of them
+    built = build(parse_request({"model": {**GPT2, "config": {"n_positions": 2**30}}, "input": {"seq_len": 1024}}))
+    assert built.input == {"seq_len": 1024}
+    # and the longest-seq_len search stops at the limit, not at the model's 2^30
+    assert max_positions(parse_request({"model": {**GPT2, "config": {"n_positions": 2**30}}}).model) == MAX_SEQ_LEN
+
+
+def test_r1_timm_defaults_follow_the_kwargs_that_shape_the_input() -> None:
+    # timm keeps the weights' pretrained_cfg (3x224x224): the default input follows img_size and in_chans
+    built = build(parse_request({"model": {"source": "timm", "name": "vit_tiny_patch16_224",
+                                           "kwargs": {"img_size": 256, "in_chans": 1}}}))
+    assert built.input == {"image_size": [1, 256, 256]}
+
+
+# --- R6: learning rates --------------------------------------------------------------------------------------
+
+SMALL = {"model": {"source": "torchvision", "name": "resnet18"}, "gpus": ["T4-16GB"]}
+
+
+@pytest.mark.parametrize("section, field", [
+    ({"planner": {"base_lr": 1e308, "base_batch": 1}}, "planner.base_lr"),   # x the global batch: inf, then null
+    ({"planner": {"base_lr": 10.5, "base_batch": 256}}, "planner.base_lr"),
+    ({"training": {"optimizer": {"name": "sgd", "momentum": float("inf")}}}, "training.optimizer.momentum"),
+])
+def test_r6_learning_rates_past_any_recipe_are_refused(section, field) -> None:
+    with pytest.raises(SpecError) as info:
+        parse_request({**SMALL, **section})
+    assert info.value.field == field
+
+
+def test_r6_the_largest_base_lr_gives_a_finite_lr() -> None:
+    from estimator.plan.advice import lr_advice
+
+    req = parse_request({**SMALL, "planner": {"base_lr": 10.0, "base_batch": 1}})
+    assert req.planner.base_lr == 10.0
+    # the largest global batch: MAX_BATCH (2^20) per rank x 65536 ranks
+    assert lr_advice("sgd", 10.0, 1, 2**20 * 65536).lr == 10.0 * 2**36
+
+
+# --- R7: custom GPU names -----------------------------------------------------------------------------------
+
+R7 = ["A100-80GB", "a100-80gb", "NVIDIA H200", "tesla t4",     # a catalog name or description, any case
+      "a\x00b", "A100\n", "x\r\ny", "<b>big</b>", "", " lead", "x" * 65]
+
+
+@pytest.mark.parametrize("name", R7, ids=[repr(n)[:20] for n in R7])
+def test_r7_custom_gpu_names_are_plain_and_not_a_catalog_card(name) -> None:
+    with pytest.raises(SpecError) as info:
+        parse_request({**SMALL, "gpus": ["T4-16GB", {"name": name, "memory_bytes": 2**30}]})
+    assert info.value.field == "gpus[1].name", str(info.value)
+    with pytest.raises(SpecError):
+        custom_gpu(name, 1024 * MIB)  # the library's own custom cards too
+
+
+def test_r7_plain_names_are_accepted() -> None:
+    req = parse_request({**SMALL, "gpus": [{"name": n, "memory_bytes": 2**30} for n in
+                                           ("A100-80GB held", "my card (v2)+", "x" * 64, "7")]})
+    assert [g.name for g in req.gpus] == ["A100-80GB held", "my card (v2)+", "x" * 64, "7"]
+
+
+# --- R6 and R7 through the service: FastAPI's schema refuses them, no worker needed ------------------------
+
+@pytest.mark.service
+@pytest.mark.parametrize("body, field", [
+    ('{"model": {"source": "torchvision", "name": "resnet18"}, "planner": {"base_lr": 1e308, "base_batch": 1}}',
+     "planner.base_lr"),
+    ('{"model": {"source": "torchvision", "name": "resnet18"}, '
+     '"training": {"optimizer": {"name": "sgd", "momentum": Infinity}}}', "training.optimizer.momentum"),
+    ('{"model": {"source": "torchvision", "name": "resnet18"}, '
+     '"gpus": [{"name": "A100-80GB", "memory_bytes": 1073741824}]}', "gpus[0].name"),
+    ('{"model": {"source": "torchvision", "name": "resnet18"}, '
+     '"gpus": [{"name": "<script>x\\u0000", "memory_bytes": 1073741824}]}', "gpus[0].name"),
+])
+def test_r6_r7_the_service_answers_422(body, field) -> None:
+    # no worker and no queue: a request the schema lets through is a 503 at once, not a wait
+    with TestClient(create_app(Settings(workers=1, queue_size=0, cache_path=""), start_workers=False)) as client:
+        r = client.post("/estimate", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 422 and r.headers["content-type"] == PROBLEM, r.text[:300]
+    assert r.json()["field"] == field
