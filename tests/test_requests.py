@@ -60,7 +60,7 @@ BAD = [
     (_req({"source": "torchvision", "name": "resnet18", "kwargs": {"num_clases": 10}}),
      "model.kwargs.num_clases", "did you mean num_classes"),
     (_req({"source": "torchvision", "name": "resnet18", "kwargs": {"dropout": 0.1}}),  # allowed, not ResNet's
-     "model.kwargs", "arguments the constructor accepts"),
+     "model.kwargs.dropout", "arguments the constructor accepts"),
     (_req({"source": "torchvision", "name": "fasterrcnn_resnet50_fpn"}, input={"num_objects": 0}),
      "input.num_objects", "greater than or equal to 1"),
     # wrong types anywhere
