@@ -286,3 +286,28 @@ def test_an_estimate_of_4096_micro_steps_answers_as_one_of_6(monkeypatch) -> Non
     for a, b in zip(long["results"], six["results"], strict=True):
         assert a["step_seconds"] == pytest.approx(b["step_seconds"] * 4096 / 6)
     assert any(line.startswith("grad accumulation: 3 of 4096 micro-steps simulated") for line in long["assumptions"])
+
+
+# --- detection: num_objects -------------------------------------------------------------------------------
+
+
+def test_detection_objects_do_not_lengthen_the_step() -> None:
+    """1024 annotated objects a image simulate the same ops as 16 (boxes are one (N, 4) tensor a image, and
+    torchvision matches them to anchors in whole-tensor ops), so an estimate at the limit costs what one at
+    16 does; what makes a detection estimate slow is its full-simulation search (the step is not affine in
+    the batch: torchvision loops over the images)."""
+    from estimator.models import build
+    from estimator.request.adapt import recipe_of
+    from estimator.request.spec import parse_request
+
+    def step(objects: int):
+        request = parse_request({"model": {"source": "torchvision", "name": "fasterrcnn_mobilenet_v3_large_320_fpn"},
+                                 "input": {"num_objects": objects}, "gpus": ["T4-16GB"]})
+        built = build(request)
+        return record_training(built.factory, built.batch_factory, built.loss_fn, 2, recipe_of(request),
+                               get_gpu("T4-16GB"), worst_case=True)
+
+    few, many = step(16), step(1024)
+    assert [(a, few.allocations[k].op) for a, k in few.events] == [(a, many.allocations[k].op) for a, k in many.events]
+    boxes = [a.nbytes for a in many.allocations if a.phase == "input" and a.op == "zeros"]
+    assert 1024 * 4 * 4 in boxes  # (1024, 4) fp32 boxes: the objects are there
