@@ -24,6 +24,7 @@ from estimator.errors import BatchTooSmallError, DataDependentError, SimulationE
 from estimator.gpus import GPU
 from estimator.models.meta import build_on_meta
 from estimator.request.recipe import Recipe
+from estimator.simulate.accumulation import Cut, expand, micro_steps_in_trace, repeats
 from estimator.simulate.step import BatchFactory, LossFn, ModelFactory, StepHooks, cast_model, prepare, run_steps
 from estimator.simulate.virtual_gpu import Shortcuts, VirtualGPU
 from estimator.simulate.virtual_gpu.cudnn import ASSUMPTION as CUDNN_ASSUMPTION
@@ -45,21 +46,26 @@ _COUNTED_PHASES = frozenset({Phase.FORWARD, Phase.LOSS, Phase.BACKWARD})
 class Recorder:
     """Observes every op on the virtual GPU and records storage lifetimes (the GPU's ``Observer``)."""
 
-    def __init__(self, device_type: str, workspace_bytes: int, convs: ConvWorkspaces | None = None) -> None:
+    def __init__(self, device_type: str, workspace_bytes: int, convs: ConvWorkspaces | None = None,
+                 every_micro_step: bool = False) -> None:
         self.device_type = device_type
+        self.every_micro_step = every_micro_step
         self.trace = Trace()
         self.live: dict[int, int] = {}
         self.live_bytes = 0
         self.peak_bytes = 0
         self.phase = Phase.SETUP
         self.iteration = 0
+        self.micro = 0  # the accumulation micro-step running
+        self.micro_starts: dict[int, list[int]] = {}  # per iteration: the event each micro-step starts at
+        self.cuts: list[Cut] = []  # where the simulation stood for the rest of an accumulation
         self.module_stack: list[str] = []
         self.node_modules: dict[int, str] = {}
         self.workspace_bytes = workspace_bytes
         self.workspaces: set[str] = set()
         self.convs = convs
         self.survivors: set[int] = set()
-        self.iteration_flops: dict[int, int] = {}
+        self.micro_flops: dict[tuple[int, int], int] = {}  # (iteration, micro-step) -> FLOPs
         self.params: list[torch.nn.Parameter] = []  # whose .grad is a gradient when a backward ends
         self.closed = False  # finished: the trace is complete
         self.engine: Engine | None = None
@@ -88,8 +94,8 @@ class Recorder:
         count = _FLOPS.get(func._overloadpacket)
         if count is not None and self.phase in _COUNTED_PHASES:
             # torch.utils.flop_counter's formulas (docs/DESIGN.md, fact 8), in this same fake pass
-            self.iteration_flops[self.iteration] = (
-                self.iteration_flops.get(self.iteration, 0) + count(*args, **kwargs, out_val=out))
+            key = (self.iteration, self.micro)
+            self.micro_flops[key] = self.micro_flops.get(key, 0) + count(*args, **kwargs, out_val=out)
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type == self.device_type:
                 self.track(t, name)
@@ -161,8 +167,28 @@ class Recorder:
                 if aid is not None:
                     self.trace.allocations[aid].category = category
 
-    def finish(self) -> Trace:
-        """Categorize what is left: activations survive until backward, the rest is temporary.
+    def micro_step(self, iteration: int, micro: int) -> bool:
+        """Micro-step ``micro`` starts: False once the last two repeat (it and the rest would too)."""
+        starts = self.micro_starts.setdefault(iteration, [])
+        now = len(self.trace.events)
+        if micro >= 2 and not self.every_micro_step and repeats(
+                self.trace.allocations, self.trace.events, starts[-2], starts[-1], now, self.survivors):
+            self.cuts.append(Cut(starts[-2], starts[-1], now, micro))
+            return False
+        starts.append(now)
+        self.micro = micro
+        return True
+
+    def step_flops(self, iteration: int, accumulation: int) -> int:
+        """FLOPs of ``iteration``'s forward and backward passes over all ``accumulation`` micro-steps: those
+        not simulated repeat the last one that was."""
+        ran = len(self.micro_starts.get(iteration, ())) or 1
+        flops = sum(self.micro_flops.get((iteration, m), 0) for m in range(ran))
+        return flops + (accumulation - ran) * self.micro_flops.get((iteration, ran - 1), 0)
+
+    def finish(self, accumulation: int = 1) -> Trace:
+        """Categorize what is left: activations survive until backward, the rest is temporary; then
+        repeat the micro-steps the simulation stood for (of ``accumulation`` in all).
 
         Runs of consecutive frees are put in allocation order: some bursts
         come out of hash maps (clearing autocast's cast cache frees in
@@ -170,15 +196,6 @@ class Recorder:
         the same state whatever their order.
         """
         self.closed = True
-        events = self.trace.events
-        i = 0
-        while i < len(events):
-            j = i
-            while j < len(events) and not events[j][0]:
-                j += 1
-            if j - i > 1:
-                events[i:j] = sorted(events[i:j], key=lambda e: e[1])
-            i = j + 1 if j == i else j
         for k, a in enumerate(self.trace.allocations):
             if a.category:
                 continue
@@ -188,6 +205,17 @@ class Recorder:
                 a.category = Category.ACTIVATION
             else:
                 a.category = Category.TEMPORARY
+        if self.cuts:
+            expand(self.trace, self.cuts, accumulation)
+        events = self.trace.events
+        i = 0
+        while i < len(events):
+            j = i
+            while j < len(events) and not events[j][0]:
+                j += 1
+            if j - i > 1:
+                events[i:j] = sorted(events[i:j], key=lambda e: e[1])
+            i = j + 1 if j == i else j
         return self.trace
 
     def snapshot_survivors(self) -> None:
@@ -207,6 +235,9 @@ class SimulationHooks(StepHooks):
     def phase(self, phase: Phase, iteration: int) -> None:
         self.recorder.phase = phase
         self.recorder.iteration = iteration
+
+    def micro_step(self, iteration: int, micro: int) -> bool:
+        return self.recorder.micro_step(iteration, micro)
 
     def call(self, phase: Phase, fn: Callable[[], T]) -> T:
         return _call(phase, fn, self.recorder)
@@ -283,8 +314,13 @@ def record_training(
     cpp_engine: bool = False,
     worst_case: bool = False,
     shortcuts: Shortcuts | None = None,
+    every_micro_step: bool = False,
 ) -> Trace:
-    """Simulate ``recipe.iterations`` training steps (``estimator.simulate.step``) and return the event trace."""
+    """Simulate ``recipe.iterations`` training steps (``estimator.simulate.step``) and return the event trace.
+
+    Accumulation micro-steps stop being simulated once they repeat (``estimator.simulate.accumulation``);
+    ``every_micro_step`` simulates them all, the trace that repetition stands for (slow: for tests).
+    """
     if not isinstance(batch_size, int) or batch_size < 1:
         raise SpecError("batch_size", batch_size, "an integer >= 1")
     try:
@@ -296,7 +332,7 @@ def record_training(
     meta_model = cast_model(meta_model, recipe)  # on meta: no allocation
     convs = ConvWorkspaces(gpu.capability, recipe.cudnn_benchmark) if gpu is not None else None
     recorder = Recorder("cuda" if gpu is not None else "cpu", gpu.cublas_workspace_bytes if gpu is not None else 0,
-                        convs)
+                        convs, every_micro_step)
     vgpu = VirtualGPU(gpu, observer=recorder, worst_case=WorstCase() if worst_case else None,
                       subclass_like=subclass_like, cpp_engine=cpp_engine, shortcuts=shortcuts)
     if worst_case:
@@ -315,7 +351,13 @@ def record_training(
                       SimulationHooks(vgpu, recorder))
         recorder.params = []
         del model, training
-    trace = recorder.finish()
+    accumulation = recipe.grad_accumulation_steps
+    trace = recorder.finish(accumulation)
+    if recorder.cuts:
+        ran = max(c.simulated for c in recorder.cuts)
+        trace.assumptions.append(
+            f"grad accumulation: {ran} of {accumulation} micro-steps simulated (the last repeated the one before); "
+            f"memory from {micro_steps_in_trace(accumulation, ran)} of them, FLOPs from all {accumulation}")
     if convs is not None:
         trace.capability_thresholds = sorted(convs.thresholds)
         if convs.calls:
@@ -325,7 +367,7 @@ def record_training(
     trace.unsupported.extend(vgpu.unsupported)
     trace.sdpa_calls = sorted(vgpu.sdpa_calls, key=repr)
     # FLOPs of one optimizer step's forward and backward passes (all accumulation micro-batches), steady state
-    trace.flops = recorder.iteration_flops.get(recipe.iterations - 1, 0)
+    trace.flops = recorder.step_flops(recipe.iterations - 1, accumulation)
     trace.card_queries = sorted(set(vgpu.card_queries))
     return trace
 

@@ -1,7 +1,8 @@
 """The training loop, written once: the simulation, a real CUDA step and a real CPU step all run it.
 
 Per iteration: zero_grad -> (input -> forward -> loss -> backward) x
-accumulation steps -> optimizer step (GradScaler for amp-fp16). Model
+accumulation steps -> optimizer step (GradScaler for amp-fp16); a
+simulation runs only the micro-steps it needs (``StepHooks.micro_step``). Model
 outputs are released once the loss is computed, and the loss once
 backward has run, as in the Hugging Face Trainer and Lightning loops.
 
@@ -44,6 +45,12 @@ class StepHooks:
 
     def phase(self, phase: Phase, iteration: int) -> None:
         """The loop enters ``phase`` of ``iteration``."""
+
+    def micro_step(self, iteration: int, micro: int) -> bool:
+        """Accumulation micro-step ``micro`` of ``iteration`` starts; False ends the accumulation there.
+        A real run runs every one; a simulation stands for the rest once they repeat
+        (``estimator.simulate.accumulation``)."""
+        return True
 
     def call(self, phase: Phase, fn: Callable[[], T]) -> T:
         """Run one part of the step (input, forward, loss, backward, optimizer)."""
@@ -120,6 +127,8 @@ def run_steps(training: Training, batch_factory: BatchFactory, loss_fn: LossFn, 
             hooks.phase(Phase.ZERO_GRAD, it)
             optimizer.zero_grad(set_to_none=recipe.zero_grad_set_to_none)
         for micro in range(accumulation):
+            if not hooks.micro_step(it, micro):
+                break  # the loss below is still divided by all of them
             hooks.phase(Phase.INPUT, it)
             batch = hooks.call(Phase.INPUT, lambda: batch_factory(batch_size, device))
             inputs, targets = batch
