@@ -199,7 +199,7 @@ def _cards(trace, batch: int) -> dict[str, tuple]:
              "A100 max_split 64 MiB": (A100, AllocatorConfig(max_split_size=64 * MIB))}
     for eighth in range(0, 9, 2):
         cap = -(-(lo + (hi - lo) * eighth // 8) // (2 * MIB)) * 2 * MIB
-        card = custom_gpu(f"tight {eighth}/8", cap + A100.context_bytes, "8.0", A100.context_bytes)
+        card = custom_gpu(f"tight {eighth} of 8", cap + A100.context_bytes, "8.0", A100.context_bytes)
         cards[f"tight {eighth}/8"] = (card, None)
         cards[f"tight {eighth}/8 expandable"] = (card, AllocatorConfig(expandable_segments=True))
     return cards
