@@ -36,7 +36,7 @@ from app.settings import Settings
 from estimator import CATALOG_VERSION, __version__
 
 LIBRARIES = ("torch", "torchvision", "timm", "transformers")  # every library a model is built with
-ErrorHook = Callable[[str], None]  # called with the operation that failed: "open", "get", "set" or "ping"
+ErrorHook = Callable[[str], None]  # the operation that failed: "open", "get", "set", "ping" or "decode"
 
 
 def cache_key(normalized_request: dict[str, Any]) -> str:
@@ -107,7 +107,22 @@ class Cache:
         self._attempt("open", self._open)
 
     def get(self, key: str) -> dict | None:
-        return self._attempt("get", lambda: self._decode(self._read(key)))
+        """The stored response, or None; a stored value that is not a JSON object (a bad row, a foreign value
+        under our key in a shared Redis) is a miss, counted as a ``decode`` error, without degrading the cache
+        (the next ``set`` overwrites it)."""
+        raw = self._attempt("get", lambda: self._read(key))
+        if raw is None:
+            return None
+        try:
+            value = json.loads(raw)
+        except _DECODE_FAULTS:
+            value = None
+        if not isinstance(value, dict):
+            if self._on_error is not None:
+                self._on_error("decode")
+            logs.log("cache-bad-value", cache=self.kind, key=key)
+            return None
+        return value
 
     def set(self, key: str, value: dict) -> None:
         raw = json.dumps(value)
@@ -153,10 +168,6 @@ class Cache:
             logs.log("cache-degraded", cache=self.kind, error=reason, retry_s=self.retry_s)
         self._drop()
 
-    @staticmethod
-    def _decode(raw: str | bytes | None) -> dict | None:
-        return None if raw is None else json.loads(raw)
-
     def _open(self) -> None:
         raise NotImplementedError
 
@@ -191,7 +202,7 @@ class SQLiteCache(Cache):
     whenever the file is opened (``ttl_s`` 0: never)."""
 
     kind = "sqlite"
-    faults = (sqlite3.Error, OSError, Unavailable, _CorruptFile, *_DECODE_FAULTS)
+    faults = (sqlite3.Error, OSError, Unavailable, _CorruptFile)
 
     def __init__(self, path: str, ttl_s: int, **kwargs: Any) -> None:
         self.path = path or ":memory:"
@@ -299,7 +310,7 @@ class RedisCache(Cache):
         from redis.backoff import NoBackoff
         from redis.retry import Retry
 
-        self.faults = (redis.RedisError, OSError, *_DECODE_FAULTS)
+        self.faults = (redis.RedisError, OSError)
         self._redis = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s,
                                            retry=Retry(NoBackoff(), 1))
         super().__init__(ttl_s, **kwargs)

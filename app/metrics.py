@@ -19,7 +19,7 @@ class Metrics:
         self.cache_misses = Counter("batchfit_cache_misses_total", "estimates computed", registry=self.registry)
         self.cache_errors = Counter("batchfit_cache_errors_total", "cache operations that failed (the estimate "
                                     "was computed without the cache)", ["op"], registry=self.registry)
-        for op in ("open", "get", "set", "ping"):
+        for op in ("open", "get", "set", "ping", "decode"):
             self.cache_errors.labels(op)
         self.workers_busy = Gauge("batchfit_workers_busy", "workers running an estimate", registry=self.registry)
         self.worker_restarts = Counter("batchfit_worker_restarts_total", "workers killed at a limit and replaced",

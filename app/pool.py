@@ -16,6 +16,7 @@ import itertools
 import multiprocessing as mp
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from app import logs
@@ -105,11 +106,14 @@ class Pool:
         self.ready = False
         self.restarts = 0
         self._renewals: set[asyncio.Task] = set()
+        # Its own threads: each running job holds one for up to request_timeout_s, and each renewal one, so
+        # the default executor (min(32, cores + 4)) would leave cache reads and body checks queued behind them.
+        self._threads = ThreadPoolExecutor(max_workers=2 * settings.workers + 2, thread_name_prefix="pool")
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         workers = [_Worker(self._ctx) for _ in range(self.settings.workers)]
-        await asyncio.gather(*(loop.run_in_executor(None, w.wait_ready, 300.0) for w in workers))
+        await asyncio.gather(*(loop.run_in_executor(self._threads, w.wait_ready, 300.0) for w in workers))
         for w in workers:
             self._workers.append(w)
             self._idle.put_nowait(w)
@@ -119,8 +123,9 @@ class Pool:
         self.ready = False
         await asyncio.gather(*self._renewals, return_exceptions=True)
         loop = asyncio.get_running_loop()
-        await asyncio.gather(*(loop.run_in_executor(None, w.stop) for w in self._workers))
+        await asyncio.gather(*(loop.run_in_executor(self._threads, w.stop) for w in self._workers))
         self._workers.clear()
+        self._threads.shutdown(wait=False)
 
     @property
     def busy(self) -> int:
@@ -154,15 +159,15 @@ class Pool:
             if not running.cancelled():
                 running.exception()  # retrieved: its WorkerDied is the kill's expected echo
         self._workers.remove(worker)
-        await loop.run_in_executor(None, worker.kill)
+        await loop.run_in_executor(self._threads, worker.kill)
         self.restarts += 1
         if not self.ready:  # stopping: no replacement
             return
         fresh = _Worker(self._ctx)
         try:
-            await loop.run_in_executor(None, fresh.wait_ready, 300.0)
+            await loop.run_in_executor(self._threads, fresh.wait_ready, 300.0)
         except BaseException:
-            await loop.run_in_executor(None, fresh.kill)
+            await loop.run_in_executor(self._threads, fresh.kill)
             raise
         self._workers.append(fresh)
         self._idle.put_nowait(fresh)
@@ -188,7 +193,7 @@ class Pool:
         loop = asyncio.get_running_loop()
         s = self.settings
         job = next(self._ids)
-        call = loop.run_in_executor(None, worker.call, job, body, s.request_timeout_s, s.worker_memory_bytes)
+        call = loop.run_in_executor(self._threads, worker.call, job, body, s.request_timeout_s, s.worker_memory_bytes)
         try:
             reply: Reply = await asyncio.shield(call)  # the shield keeps the thread's future for _renew
         except (LimitExceeded, WorkerDied) as exc:

@@ -17,6 +17,7 @@ is tested without a GPU.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
@@ -163,7 +164,9 @@ def local_card():
     for card in CATALOG.values():
         if card.memory_bytes == total and card.capability == capability and card.description in name:
             return card.name
-    return CustomGPUSpec(name=name[:64], memory_bytes=total, compute_capability=f"{capability[0]}.{capability[1]}")
+    # not a catalog card's name or description, and plain text (the custom-name rule: estimator/gpus.py)
+    local = re.sub(r"[^A-Za-z0-9 ._()+-]", " ", f"local {name}")[:64]
+    return CustomGPUSpec(name=local, memory_bytes=total, compute_capability=f"{capability[0]}.{capability[1]}")
 
 
 def as_json(v: Validation) -> dict[str, Any]:

@@ -267,3 +267,28 @@ def test_r5_ttl_is_seven_days_and_expired_rows_leave_the_file(monkeypatch, tmp_p
     with sqlite3.connect(path) as db:
         assert [k for (k,) in db.execute("SELECT key FROM results")] == ["fresh"]  # deleted when opened
     db.close()
+
+
+def test_a_bad_stored_value_is_a_miss_and_leaves_the_cache_up(tmp_path) -> None:
+    """One row that is not our JSON (or a foreign value under our key) must not turn the cache off for
+    every other request: a miss, counted as a decode error, overwritten by the recomputed answer."""
+    path = tmp_path / "cache.sqlite"
+    with served(cache_path=str(path), cache_retry_s=3600) as (c, app):
+        assert estimate(c, SMALL)[0] == "miss" and estimate(c, OTHER)[0] == "miss"
+        with sqlite3.connect(path) as db:
+            db.execute("UPDATE results SET value = ? WHERE key = ?",
+                       ("{not json", cache_key(_normalized(SMALL))))
+            db.execute("INSERT OR REPLACE INTO results VALUES (?, ?, ?)",
+                       (cache_key(_normalized(THIRD)), "[1, 2]", time.time()))  # JSON, but not an answer
+        assert estimate(c, SMALL)[0] == "miss" and estimate(c, THIRD)[0] == "miss"
+        assert cache_errors(c, "decode") == 2
+        ready = readyz(c)
+        assert ready["cache"] == "ok" and ready["cache_error"] is None
+        assert estimate(c, OTHER)[0] == "hit"  # the other rows still answer
+        assert estimate(c, SMALL)[0] == "hit"  # the bad row was overwritten
+
+
+def _normalized(body: dict) -> dict:
+    from estimator import EstimateRequest
+
+    return EstimateRequest.model_validate(body).model_dump(mode="json")

@@ -109,6 +109,8 @@ NAMING = [
     ({"model_type": "gpt2", "_attn_implementation": "kernels-community/flash-attn"},
      "model.config._attn_implementation", "model.attn_implementation"),
     ({"model_type": "rag"}, "model.config.model_type", "retriever"),
+    ({"model_type": "rwkv"}, "model.config.model_type", "kernels-community"),  # fetched where CUDA and ninja are
+    ({"model_type": "yoso"}, "model.config.model_type", "kernels-community"),
     # sub-configs are configs: an encoder-decoder's encoder, a backbone_config, a gemma3n vision tower
     ({"model_type": "encoder-decoder", "encoder": {"model_type": "timm_wrapper", "architecture": "hf-hub:a/b"},
       "decoder": {"model_type": "gpt2"}}, "model.config.encoder.architecture", "timm.list_models()"),

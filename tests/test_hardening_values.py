@@ -91,6 +91,9 @@ R1 = [
     # (a timm pretrained_cfg kwarg, which could also set the input, is refused by name: test_hardening_names)
     ({"source": "timm", "name": "resnet18", "kwargs": {"in_chans": 65}}, "model.kwargs.in_chans"),
     ({"source": "torchvision", "name": "vit_b_16", "kwargs": {"image_size": 8208}}, "model.kwargs.image_size"),
+    # a detection model resizes its images itself: the short side to min_size, the long one at most max_size
+    ({"source": "torchvision", "name": "fasterrcnn_mobilenet_v3_large_fpn",
+      "kwargs": {"min_size": 8000, "max_size": 100000}}, "model.kwargs.min_size"),
     ({"source": "transformers", "preset": "vit-base-patch16-224", "config": {"image_size": 8208}},
      "model.config.image_size"),
     ({**GPT2, "config": {"n_positions": 2**30}}, "model.config.n_positions"),
@@ -186,3 +189,28 @@ def test_r6_r7_the_service_answers_422(body, field) -> None:
         r = client.post("/estimate", content=body, headers={"content-type": "application/json"})
     assert r.status_code == 422 and r.headers["content-type"] == PROBLEM, r.text[:300]
     assert r.json()["field"] == field
+
+
+@pytest.mark.parametrize("nvml_name, total", [
+    ("NVIDIA H200", 142 * 2**30),  # the catalog's description, another memory size (ECC toggled, a driver)
+    (b"Tesla T4\n<x>", 15 * 2**30),  # bytes from an old pynvml, with characters a name may not hold
+])
+def test_r7_this_nodes_own_card_never_shadows_the_catalog(monkeypatch, nvml_name, total) -> None:
+    # validate: true with gpus null names this node's GPU; a card off the catalog is a custom card, whose
+    # name must pass the custom-name rule (before: a pydantic ValidationError, a 500 from the worker)
+    import types
+
+    import torch
+
+    from estimator import validate
+    from estimator.request.spec import CustomGPUSpec
+
+    nvml = types.SimpleNamespace(nvmlInit=lambda: None, nvmlDeviceGetHandleByIndex=lambda i: i,
+                                 nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(total=total),
+                                 nvmlDeviceGetName=lambda h: nvml_name)
+    monkeypatch.setattr(validate, "_pynvml", lambda: nvml)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0: (9, 0))
+    card = validate.local_card()
+    assert isinstance(card, CustomGPUSpec) and card.memory_bytes == total
+    assert card.name.startswith("local ") and "\n" not in card.name and "<" not in card.name
+    parse_request({"model": {"source": "torchvision", "name": "resnet18"}, "gpus": [card.model_dump()]})

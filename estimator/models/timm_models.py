@@ -33,9 +33,7 @@ def build_timm(spec: TimmModel, inp: InputSpec) -> BuiltModel:
     dynamic = getattr(patch_embed, "dynamic_img_size", False) or kwargs.get("dynamic_img_size")
     assumptions: list[str] = []
     if inp.image_size is None:
-        channels_from = sides_from = ("model.name", spec.name)  # its pretrained_cfg
-        if "pretrained_cfg" in kwargs:
-            channels_from = sides_from = ("model.kwargs.pretrained_cfg", kwargs["pretrained_cfg"])
+        channels_from = sides_from = ("model.name", spec.name)  # its pretrained_cfg (never a kwarg: allowed.py)
         if len(default) != 3 or not all(type(x) is int for x in default):
             raise SpecError(*sides_from, "a model whose pretrained_cfg input_size is [C, H, W], 3 integers")
         c, h, w = default

@@ -13,6 +13,7 @@ frames of 112 px for the R(2+1)D family); else 3x224x224.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torchvision.models as tvm
 
@@ -92,6 +93,8 @@ def build_torchvision(spec: TorchvisionModel, inp: InputSpec) -> BuiltModel:
             and "image_size" in kwargs else ("model.name", spec.name)
         check_image(c, h, w, ("model.name", spec.name), side_from)
         assumptions.append(f"input.image_size not given: [3, {side}, {side}], {spec.name}'s training resolution")
+    if family == "detection":
+        _check_resize(model, h, w, kwargs)
     resolved: dict = {"image_size": [c, h, w]}
     if family == "video":
         t = inp.num_frames or max(DEFAULT_FRAMES, frames or 0)
@@ -114,3 +117,21 @@ def build_torchvision(spec: TorchvisionModel, inp: InputSpec) -> BuiltModel:
     else:
         batch, loss = tasks.images(c, h, w), tasks.classification_loss
     return BuiltModel(f"torchvision:{spec.name}", factory, batch, loss, resolved, count_parameters(model), assumptions)
+
+
+def _check_resize(model: Any, h: int, w: int, kwargs: dict[str, Any]) -> None:
+    """A detection model resizes its images itself (GeneralizedRCNNTransform: the short side to the largest
+    ``min_size``, the long one at most ``max_size``, or a ``fixed_size``): the backbone's input is held to the
+    image limits too, blamed on the kwargs that set it."""
+    transform = getattr(model, "transform", None)
+    if transform is None or not hasattr(transform, "min_size"):
+        return
+    fixed = getattr(transform, "fixed_size", None)
+    if fixed:
+        rh, rw = fixed
+    else:
+        scale = min(max(transform.min_size) / min(h, w), transform.max_size / max(h, w))
+        rh, rw = int(h * scale), int(w * scale)
+    given = [k for k in ("min_size", "max_size") if k in kwargs]
+    blamed = (f"model.kwargs.{given[0]}", kwargs[given[0]]) if given else ("input.image_size", [3, h, w])
+    check_image(3, rh, rw, blamed, blamed)

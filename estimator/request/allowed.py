@@ -75,7 +75,9 @@ NO_DOWNLOAD: dict[str, dict[str, Any]] = {
 
 # transformers: a model_type refused at any depth, with why. RAG's retriever
 # loads a dataset and a FAISS index by name (dataset, index_path, passages_path).
-REFUSED_MODEL_TYPES = {"rag": "its retriever loads a dataset and an index by name"}
+_HUB_KERNEL = "its modeling code fetches a CUDA kernel from the Hub (get_kernel('kernels-community/...'))"
+REFUSED_MODEL_TYPES = {"rag": "its retriever loads a dataset and an index by name",
+                       "yoso": _HUB_KERNEL, "mra": _HUB_KERNEL, "rwkv": _HUB_KERNEL}
 _REMOTE_KEYS = ("auto_map", "trust_remote_code")
 # Fields that make transformers load another model by name, with what to give instead.
 # ``backbone`` (outside a timm_backbone config) is looked up on the Hub while the config
