@@ -32,6 +32,8 @@ class Category(StrEnum):
     WORKSPACE = "workspace"  # a cuBLAS handle's workspace: sized by each card, not by the trace
     CONV_WORKSPACE = "conv_workspace"  # cuDNN's per-call workspace: skipped when it cannot be had
     EMPTY_CACHE = "empty_cache"  # not memory: a torch.cuda.empty_cache() call (0 bytes)
+    # distributed training's buffers: DDP's gradient buckets, FSDP's all-gather and reduce-scatter buffers
+    COMMUNICATION = "communication"
     UNKNOWN = ""
 
 
@@ -63,6 +65,7 @@ class Allocation:
     op: str
     iteration: int
     category: str = Category.UNKNOWN
+    stream: int = 0  # the CUDA stream current when it was allocated: the caching allocator pools per stream
 
 
 @dataclass
@@ -85,6 +88,11 @@ class Trace:
 
     def categories(self) -> list[str]:
         return [a.category for a in self.allocations]
+
+    def streams(self) -> list[int] | None:
+        """Each allocation's stream, or None when all are on the default stream (most steps)."""
+        streams = [a.stream for a in self.allocations]
+        return streams if any(streams) else None
 
     def where(self, k: int) -> tuple[str, str, int]:
         """(phase, module, iteration) of allocation ``k``, as a report names the peak."""

@@ -38,6 +38,7 @@ class AffineTrace:
     phases: list[str] = field(default_factory=list)
     modules: list[str] = field(default_factory=list)
     min_batch: int = 1
+    streams: list[int] | None = None  # each allocation's CUDA stream; None: all on the default stream
 
     def nbytes(self, i: int, batch: int, workspace: int) -> int:
         if self.categories[i] == Category.WORKSPACE:
@@ -106,12 +107,14 @@ class AffineTrace:
         return b
 
     def events_at(self, batch: int, workspace: int) -> list[Event]:
-        sizes, cats = self.sizes_at(batch, workspace), self.categories
-        return [Event(alloc, k, sizes[k], cats[k]) for alloc, k in self.events]
+        sizes, cats, streams = self.sizes_at(batch, workspace), self.categories, self.streams
+        return [Event(alloc, k, sizes[k], cats[k], streams[k] if streams else 0) for alloc, k in self.events]
 
     def matches(self, trace: Trace, batch: int) -> bool:
         """Whether ``trace`` (a fresh simulation at ``batch``) is what this profile synthesizes."""
         if trace.events != self.events or len(trace.allocations) != len(self.const):
+            return False
+        if trace.streams() != self.streams:
             return False
         return all(
             a.category == self.categories[i]
@@ -120,15 +123,18 @@ class AffineTrace:
         )
 
     def to_json(self) -> dict[str, Any]:
-        return {"schema": SCHEMA_VERSION, "const": self.const, "per_sample": self.per_sample,
-                "categories": self.categories, "events": [[int(a), k] for a, k in self.events],
-                "phases": self.phases, "modules": self.modules, "min_batch": self.min_batch}
+        doc = {"schema": SCHEMA_VERSION, "const": self.const, "per_sample": self.per_sample,
+               "categories": self.categories, "events": [[int(a), k] for a, k in self.events],
+               "phases": self.phases, "modules": self.modules, "min_batch": self.min_batch}
+        if self.streams:
+            doc["streams"] = self.streams
+        return doc
 
 
 def _same_program(a: Trace, b: Trace) -> bool:
     if a.events != b.events or len(a.allocations) != len(b.allocations):
         return False
-    return all(x.op == y.op and x.category == y.category and x.phase == y.phase
+    return all(x.op == y.op and x.category == y.category and x.phase == y.phase and x.stream == y.stream
                for x, y in zip(a.allocations, b.allocations, strict=True))
 
 
@@ -150,7 +156,8 @@ def fit(points: list[tuple[int, Trace]], check: tuple[int, Trace] | None = None)
         const.append(a)
         per_sample.append(k)
     profile = AffineTrace(const, per_sample, [a.category for a in t1.allocations], list(t1.events),
-                          [a.phase for a in t1.allocations], [a.module for a in t1.allocations], min(b1, b2))
+                          [a.phase for a in t1.allocations], [a.module for a in t1.allocations], min(b1, b2),
+                          t1.streams())
     if check is not None and not profile.matches(check[1], check[0]):
         return None
     return profile
@@ -161,10 +168,11 @@ def concrete(trace: Trace) -> AffineTrace:
     allocs = trace.allocations
     return AffineTrace([0 if a.category == Category.WORKSPACE else a.nbytes for a in allocs], [0] * len(allocs),
                        [a.category for a in allocs], list(trace.events), [a.phase for a in allocs],
-                       [a.module for a in allocs])
+                       [a.module for a in allocs], 1, trace.streams())
 
 
 def from_json(doc: dict[str, Any]) -> AffineTrace:
     return AffineTrace(list(doc["const"]), list(doc["per_sample"]), list(doc["categories"]),
                        [(bool(a), int(k)) for a, k in doc["events"]], list(doc.get("phases", [])),
-                       list(doc.get("modules", [])), int(doc.get("min_batch", 1)))
+                       list(doc.get("modules", [])), int(doc.get("min_batch", 1)),
+                       [int(s) for s in doc["streams"]] if doc.get("streams") else None)

@@ -27,6 +27,10 @@ class ReplayCache:
             return step.events, step.sizes(workspace), step.categories()
         return step.events, step.sizes_at(batch, workspace), step.categories
 
+    @staticmethod
+    def _streams(step: Step) -> list[int] | None:
+        return step.streams() if isinstance(step, Trace) else step.streams
+
     def replay(self, step: Step, batch: int, gpu: GPU, capped: bool = True) -> ReplayResult:
         """The step's replay on the card (its capacity less the reserve), or without a capacity."""
         ws = gpu.cublas_workspace_bytes
@@ -35,13 +39,14 @@ class ReplayCache:
         if not capped:
             if known is None:
                 known = self._unlimited[key] = replay_sized(*self._sized(step, batch, ws), AllocatorConfig(),
-                                                            timelines=False)
+                                                            timelines=False, streams=self._streams(step))
             return known
         cap = gpu.usable_bytes(self.reserve_bytes)
         if known is not None and known.reserved_peak <= cap:
             return known  # below the capacity no cudaMalloc fails: the same replay
         if (key, cap) not in self._capped:
-            r = replay_sized(*self._sized(step, batch, ws), AllocatorConfig(cap), timelines=False)
+            r = replay_sized(*self._sized(step, batch, ws), AllocatorConfig(cap), timelines=False,
+                             streams=self._streams(step))
             self._capped[key, cap] = r
             if r.fits and not r.failed_mallocs:
                 self._unlimited[key] = r

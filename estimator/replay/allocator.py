@@ -65,12 +65,13 @@ class Event(NamedTuple):
     key: int
     nbytes: int
     category: str = ""
+    stream: int = 0  # the CUDA stream it is allocated on (0: the default stream)
 
 
 def trace_events(trace: Trace) -> list[Event]:
-    """A trace's events with each allocation's bytes and category, as ``replay`` takes them."""
+    """A trace's events with each allocation's bytes, category and stream, as ``replay`` takes them."""
     allocs = trace.allocations
-    return [Event(a, k, allocs[k].nbytes, allocs[k].category) for a, k in trace.events]
+    return [Event(a, k, allocs[k].nbytes, allocs[k].category, allocs[k].stream) for a, k in trace.events]
 
 
 @dataclass(frozen=True)
@@ -132,13 +133,18 @@ def allocation_size(size: int) -> int:
     return KROUND_LARGE * ((size + KROUND_LARGE - 1) // KROUND_LARGE)
 
 
-class _Block:
-    __slots__ = ("addr", "size", "small", "allocated", "prev", "next", "segment")
+def _pool_key(stream: int, small: bool) -> int:
+    return 2 * stream + small
 
-    def __init__(self, addr: int, size: int, small: bool, segment: int) -> None:
+
+class _Block:
+    __slots__ = ("addr", "size", "small", "pool", "allocated", "prev", "next", "segment")
+
+    def __init__(self, addr: int, size: int, small: bool, segment: int, pool: int) -> None:
         self.addr = addr
         self.size = size
         self.small = small
+        self.pool = pool  # _pool_key(stream, small): blocks serve only their own stream's requests
         self.allocated = False
         self.prev: _Block | None = None
         self.next: _Block | None = None
@@ -149,7 +155,9 @@ class _Allocator:
     def __init__(self, config: AllocatorConfig) -> None:
         self.cfg = config
         self.max_split = config.max_split_size if config.max_split_size is not None else 1 << 62
-        self.pools: dict[bool, list[tuple[int, int]]] = {True: [], False: []}  # (size, addr)
+        # per (stream, small or large): (size, addr) of free blocks; CUDACachingAllocator.cpp's BlockPools
+        # order blocks by stream first, so a block is only ever found for a request on its own stream
+        self.pools: dict[int, list[tuple[int, int]]] = {_pool_key(0, True): [], _pool_key(0, False): []}
         self.blocks: dict[int, _Block] = {}  # free blocks by address
         self.reserved = 0
         self.allocated = 0
@@ -157,21 +165,21 @@ class _Allocator:
         self.segments = 0
         self.flushes = 0
         self.failed = 0
-        self.tails: dict[bool, _Block | None] = {True: None, False: None}  # expandable
+        self.tails: dict[int, _Block | None] = {}  # expandable: per pool, its segment's last block
 
     # --- pool bookkeeping
     def _insert(self, b: _Block) -> None:
-        bisect.insort(self.pools[b.small], (b.size, b.addr))
+        bisect.insort(self.pools[b.pool], (b.size, b.addr))
         self.blocks[b.addr] = b
 
     def _remove(self, b: _Block) -> None:
-        pool = self.pools[b.small]
+        pool = self.pools[b.pool]
         i = bisect.bisect_left(pool, (b.size, b.addr))
         del pool[i]
         del self.blocks[b.addr]
 
-    def _find(self, small: bool, size: int) -> _Block | None:
-        pool = self.pools[small]
+    def _find(self, pk: int, size: int) -> _Block | None:
+        pool = self.pools[pk]
         i = bisect.bisect_left(pool, (size, -1))
         if i == len(pool):
             return None
@@ -183,22 +191,22 @@ class _Allocator:
         return self.blocks[addr]
 
     # --- cudaMalloc / cudaFree
-    def _cuda_malloc(self, small: bool, size: int) -> _Block | None:
+    def _cuda_malloc(self, small: bool, size: int, pk: int) -> _Block | None:
         cap = self.cfg.capacity
         if cap is not None and self.reserved + size > cap:
             self.failed += 1
             return None
         self.reserved += size
         self.segments += 1
-        b = _Block(self.next_addr, size, small, self.segments)
+        b = _Block(self.next_addr, size, small, self.segments, pk)
         self.next_addr += size + (1 << 20)
         return b
 
     def _release_segments(self) -> int:
         """Release every cached whole segment (release_cached_blocks); the bytes released."""
         freed = 0
-        for small in (True, False):
-            for _size, addr in list(self.pools[small]):
+        for pool in self.pools.values():
+            for _size, addr in list(pool):
                 b = self.blocks[addr]
                 if b.prev is None and b.next is None:
                     self._remove(b)
@@ -206,12 +214,12 @@ class _Allocator:
                     freed += b.size
         return freed
 
-    def _release_oversize(self, small: bool, size: int) -> bool:
-        """release_available_cached_blocks."""
+    def _release_oversize(self, pk: int, size: int) -> bool:
+        """release_available_cached_blocks (of the request's own stream)."""
         if self.cfg.max_split_size is None:
             return False
         want = self.max_split if size < self.max_split else size
-        pool = self.pools[small]
+        pool = self.pools[pk]
         i = bisect.bisect_left(pool, (want, -1))
         if i < len(pool):
             b = self.blocks[pool[i][1]]
@@ -229,14 +237,17 @@ class _Allocator:
         return released >= want
 
     # --- malloc / free
-    def malloc(self, nbytes: int, soft: bool = False) -> _Block | None:
+    def malloc(self, nbytes: int, soft: bool = False, stream: int = 0) -> _Block | None:
         size = KMIN_BLOCK_SIZE if nbytes < KMIN_BLOCK_SIZE else KMIN_BLOCK_SIZE * (
             (nbytes + KMIN_BLOCK_SIZE - 1) // KMIN_BLOCK_SIZE)  # round_size
         small = size <= KSMALL_SIZE
+        pk = _pool_key(stream, small)
+        if pk not in self.pools:
+            self.pools[pk] = []
         if self.cfg.expandable_segments:
-            return self._malloc_expandable(small, size, soft)
+            return self._malloc_expandable(small, size, pk, soft)
         # _find and _remove in one bisection (the hot path of every replay)
-        pool = self.pools[small]
+        pool = self.pools[pk]
         i = bisect.bisect_left(pool, (size, -1))
         block = None
         if i < len(pool):
@@ -247,13 +258,13 @@ class _Allocator:
                 block = self.blocks.pop(addr)
         if block is None:
             alloc = allocation_size(size)
-            block = self._cuda_malloc(small, alloc)
-            if block is None and self._release_oversize(small, size):
-                block = self._cuda_malloc(small, alloc)
+            block = self._cuda_malloc(small, alloc, pk)
+            if block is None and self._release_oversize(pk, size):
+                block = self._cuda_malloc(small, alloc, pk)
             if block is None:
                 self.flushes += 1
                 self._release_segments()
-                block = self._cuda_malloc(small, alloc)
+                block = self._cuda_malloc(small, alloc, pk)
             if block is None:
                 return None
         return self._split(block, size)
@@ -265,27 +276,27 @@ class _Allocator:
         else:
             split = size < self.max_split and remaining > KSMALL_SIZE
         if split:
-            rest = _Block(block.addr + size, remaining, block.small, block.segment)
+            rest = _Block(block.addr + size, remaining, block.small, block.segment, block.pool)
             rest.prev = block
             nxt = rest.next = block.next
             if nxt is not None:
                 nxt.prev = rest
             block.next = rest
             block.size = size
-            bisect.insort(self.pools[rest.small], (remaining, rest.addr))  # _insert
+            bisect.insort(self.pools[rest.pool], (remaining, rest.addr))  # _insert
             self.blocks[rest.addr] = rest
-            if self.tails[block.small] is block:
-                self.tails[block.small] = rest
+            if self.tails.get(block.pool) is block:
+                self.tails[block.pool] = rest
         block.allocated = True
         self.allocated += block.size
         return block
 
-    def _malloc_expandable(self, small: bool, size: int, soft: bool = False) -> _Block | None:
-        block = self._find(small, size)
+    def _malloc_expandable(self, small: bool, size: int, pk: int, soft: bool = False) -> _Block | None:
+        block = self._find(pk, size)
         if block is not None:
             self._remove(block)
             return self._split(block, size)
-        tail = self.tails[small]
+        tail = self.tails.get(pk)
         have = tail.size if tail is not None and not tail.allocated else 0
         grow = EXPANDABLE_PAGE * ((size - have + EXPANDABLE_PAGE - 1) // EXPANDABLE_PAGE)
         cap = self.cfg.capacity
@@ -297,7 +308,7 @@ class _Allocator:
                 return None
             self.flushes += 1
             self._unmap_free_pages()
-            tail = self.tails[small]
+            tail = self.tails.get(pk)
             have = tail.size if tail is not None and not tail.allocated else 0
             grow = EXPANDABLE_PAGE * ((size - have + EXPANDABLE_PAGE - 1) // EXPANDABLE_PAGE)
             if self.reserved + grow > cap:
@@ -310,18 +321,18 @@ class _Allocator:
             block = tail
         else:
             self.segments += 1
-            block = _Block(self.next_addr, grow, small, self.segments)
+            block = _Block(self.next_addr, grow, small, self.segments, pk)
             self.next_addr += 1 << 40
             if tail is not None:
                 tail.next = block
                 block.prev = tail
-        self.tails[small] = block
+        self.tails[pk] = block
         return self._split(block, size)
 
     def _unmap_free_pages(self) -> None:
         # Unmapping returns the whole pages inside free blocks.
-        for small in (True, False):
-            for _size, addr in list(self.pools[small]):
+        for pool in self.pools.values():
+            for _size, addr in list(pool):
                 b = self.blocks[addr]
                 lo = (b.addr + EXPANDABLE_PAGE - 1) // EXPANDABLE_PAGE
                 hi = (b.addr + b.size) // EXPANDABLE_PAGE
@@ -339,16 +350,16 @@ class _Allocator:
                     nb.next = block.next
                     if block.next is not None:
                         block.next.prev = nb
-                    if self.tails.get(block.small) is block:
-                        self.tails[block.small] = nb
+                    if self.tails.get(block.pool) is block:
+                        self.tails[block.pool] = nb
                     block = nb
                 else:
                     block.size += nb.size
                     block.next = nb.next
                     if nb.next is not None:
                         nb.next.prev = block
-                    if self.tails.get(block.small) is nb:
-                        self.tails[block.small] = block
+                    if self.tails.get(block.pool) is nb:
+                        self.tails[block.pool] = block
         self._insert(block)
 
 
@@ -361,6 +372,7 @@ def replay(events: Sequence[Event], config: AllocatorConfig, timelines: bool = T
     steps: list[tuple[bool, int]] = []
     sizes: list[int] = []
     categories: list[str] = []
+    streams: list[int] = []
     current: dict[int, int] = {}  # an event's key -> the id of its live allocation
     for i, ev in enumerate(events):
         if ev.alloc:
@@ -370,17 +382,20 @@ def replay(events: Sequence[Event], config: AllocatorConfig, timelines: bool = T
             steps.append((True, len(sizes)))
             sizes.append(ev.nbytes)
             categories.append(ev.category)
+            streams.append(ev.stream)
         else:
             k = current.pop(ev.key, None)
             if k is None:
                 raise ReplayError(f"event {i}: free of key {ev.key} that is not allocated")
             steps.append((False, k))
-    return replay_sized(steps, sizes, categories, config, timelines)
+    return replay_sized(steps, sizes, categories, config, timelines, streams if any(streams) else None)
 
 
 def replay_sized(events: Sequence[tuple[bool, int]], sizes: Sequence[int], categories: Sequence[str],
-                 config: AllocatorConfig, timelines: bool = True) -> ReplayResult:
-    """``replay`` of ``(is_alloc, k)`` events whose allocation ``k`` has ``sizes[k]`` bytes in ``categories[k]``.
+                 config: AllocatorConfig, timelines: bool = True,
+                 streams: Sequence[int] | None = None) -> ReplayResult:
+    """``replay`` of ``(is_alloc, k)`` events whose allocation ``k`` has ``sizes[k]`` bytes in ``categories[k]``
+    (on stream ``streams[k]``; None: all on the default stream).
 
     The form traces and affine traces already have: no per-event objects to build.
     """
@@ -403,7 +418,7 @@ def replay_sized(events: Sequence[tuple[bool, int]], sizes: Sequence[int], categ
             if nbytes < 0:
                 raise ReplayError(f"event {i}: nbytes {nbytes}; expected >= 0")
             if k not in special:
-                block = malloc(nbytes)
+                block = malloc(nbytes) if streams is None else malloc(nbytes, False, streams[k])
                 if block is None:
                     oom = i
                     break
@@ -412,7 +427,7 @@ def replay_sized(events: Sequence[tuple[bool, int]], sizes: Sequence[int], categ
                     a._release_segments()
                 block = None
             else:
-                block = malloc(nbytes, True)
+                block = malloc(nbytes, True, 0 if streams is None else streams[k])
             if block is None:
                 skipped.add(k)
             else:

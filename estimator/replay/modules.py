@@ -162,9 +162,11 @@ def peak_blocks(trace: Trace, gpu: GPU | None, allocator: AllocatorConfig | None
     special = SOFT_CATEGORIES | {Category.EMPTY_CACHE}
     labels = [a.category if a.category in special else f"#{k}" for k, a in enumerate(trace.allocations)]
     sized = trace.events, trace.sizes(gpu.cublas_workspace_bytes), labels
-    result = replay_sized(*sized, replace(allocator, capacity=gpu.usable_bytes(reserve_bytes)), timelines=False)
+    streams = trace.streams()
+    result = replay_sized(*sized, replace(allocator, capacity=gpu.usable_bytes(reserve_bytes)), timelines=False,
+                          streams=streams)
     if not result.fits:
-        result = replay_sized(*sized, replace(allocator, capacity=None), timelines=False)
+        result = replay_sized(*sized, replace(allocator, capacity=None), timelines=False, streams=streams)
     blocks = {int(label[1:]): n for label, n in result.breakdown_at_peak.items() if label.startswith("#")}
     soft = {label: n for label, n in result.breakdown_at_peak.items() if not label.startswith("#")}
     if soft:

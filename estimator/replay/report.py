@@ -31,6 +31,8 @@ class Breakdown:
     inputs: int = 0
     buffers: int = 0
     workspace: int = 0
+    communication: Annotated[int, Field(description="distributed training: DDP's gradient buckets, FSDP's "
+                                        "all-gather and reduce-scatter buffers")] = 0
     batch_size: Annotated[int, Field(description="the batch this breakdown is for")] = 0
 
     @classmethod
@@ -44,13 +46,14 @@ class Breakdown:
             inputs=by_cat.get(Category.INPUT, 0),
             buffers=by_cat.get(Category.BUFFER, 0),
             workspace=by_cat.get(Category.WORKSPACE, 0) + by_cat.get(Category.CONV_WORKSPACE, 0),
+            communication=by_cat.get(Category.COMMUNICATION, 0),
             batch_size=batch_size,
         )
 
     def total(self) -> int:
         """Every byte of the breakdown."""
         return (self.parameters + self.gradients + self.optimizer_state + self.activations + self.temporaries
-                + self.inputs + self.buffers + self.workspace)
+                + self.inputs + self.buffers + self.workspace + self.communication)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,8 +122,11 @@ def report_from_trace(
 
     allocator = allocator or AllocatorConfig()
     sized = trace.events, trace.sizes(gpu.cublas_workspace_bytes), trace.categories()
-    capped = replay_sized(*sized, replace(allocator, capacity=gpu.usable_bytes(reserve_bytes)), timelines=False)
-    unlimited = capped if capped.fits else replay_sized(*sized, replace(allocator, capacity=None), timelines=False)
+    streams = trace.streams()
+    capped = replay_sized(*sized, replace(allocator, capacity=gpu.usable_bytes(reserve_bytes)), timelines=False,
+                          streams=streams)
+    unlimited = capped if capped.fits else replay_sized(*sized, replace(allocator, capacity=None), timelines=False,
+                                                        streams=streams)
     return report_from_replays(capped, unlimited, trace.events, batch_size, gpu, trace.where, trace.unsupported,
                                trace.assumptions, reserve_bytes, trace)
 

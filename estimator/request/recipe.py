@@ -22,10 +22,97 @@ Precision = Literal["fp32", "amp-fp16", "amp-bf16", "bf16"]
 OptimizerName = Literal["sgd", "adam", "adamw", "adagrad", "rmsprop", "adafactor"]
 Checkpointing = bool | Literal["reentrant", "non-reentrant"]
 ZeroGradAt = Literal["step-start", "after-forward"]
+Strategy = Literal["none", "ddp", "fsdp", "zero1"]
+LowPrecision = Literal["fp32", "bf16", "fp16"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)
 OPTIMIZERS: tuple[str, ...] = get_args(OptimizerName)
 CHECKPOINTING = (False, True, "reentrant", "non-reentrant")
 ZERO_GRAD_AT: tuple[str, ...] = get_args(ZeroGradAt)
+STRATEGIES: tuple[str, ...] = get_args(Strategy)
+MP_DTYPES: tuple[str, ...] = get_args(LowPrecision)
+MAX_WORLD_SIZE = 1024
+
+
+@dataclass(frozen=True)
+class Distributed:
+    """How the step is spread over ``world_size`` ranks, and which ``rank`` a simulation stands for.
+
+    ``strategy``: ``"none"`` (one GPU), ``"ddp"`` (``DistributedDataParallel``),
+    ``"fsdp"`` (FSDP2's ``fully_shard`` on each block, then the root, as
+    torchtitan applies it) or ``"zero1"`` (DDP plus
+    ``ZeroRedundancyOptimizer``). The DDP options are
+    ``DistributedDataParallel``'s own (``bucket_cap_mb``,
+    ``gradient_as_bucket_view``, ``static_graph``); the FSDP ones
+    ``fully_shard``'s (``reshard_after_forward``) and its
+    ``MixedPrecisionPolicy``'s (``param_dtype``, ``reduce_dtype``: None is the
+    parameter's dtype).
+
+    >>> Distributed("fsdp", 8).shards
+    True
+    """
+
+    strategy: str = "none"
+    world_size: int = 1
+    rank: int = 0
+    bucket_cap_mb: float | None = None  # None: DDP's default, 25 MiB buckets after a first one of 1 MiB
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+    reshard_after_forward: bool | int = True
+    param_dtype: str | None = None
+    reduce_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise SpecError("training.distributed.strategy", self.strategy, f"one of {', '.join(STRATEGIES)}")
+        if not isinstance(self.world_size, int) or not 1 <= self.world_size <= MAX_WORLD_SIZE:
+            raise SpecError("training.distributed.world_size", self.world_size,
+                            f"an integer from 1 to {MAX_WORLD_SIZE}, or 'auto'")
+        if self.strategy == "none" and self.world_size != 1:
+            raise SpecError("training.distributed.world_size", self.world_size,
+                            "1 with strategy 'none' (name a strategy: ddp, fsdp or zero1)")
+        if not 0 <= self.rank < self.world_size:
+            raise SpecError("rank", self.rank, f"a rank from 0 to {self.world_size - 1}")
+        for name in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if value is not None and value not in MP_DTYPES:
+                raise SpecError(f"training.distributed.fsdp.{name}", value, f"null or one of {', '.join(MP_DTYPES)}")
+        raf = self.reshard_after_forward
+        if not isinstance(raf, bool) and not (isinstance(raf, int) and raf >= 1):
+            raise SpecError("training.distributed.fsdp.reshard_after_forward", raf, "true, false or an integer >= 1")
+        if not isinstance(raf, bool) and self.strategy == "fsdp" and (
+                raf > self.world_size or self.world_size % raf):
+            raise SpecError("training.distributed.fsdp.reshard_after_forward", raf,
+                            f"true, false, or a divisor of the world size ({self.world_size})")
+        if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
+            raise SpecError("training.distributed.ddp.bucket_cap_mb", self.bucket_cap_mb, "a number > 0")
+
+    @property
+    def active(self) -> bool:
+        return self.strategy != "none"
+
+    @property
+    def shards(self) -> bool:
+        """Whether parameters are sharded across ranks (FSDP)."""
+        return self.strategy == "fsdp"
+
+    @property
+    def uses_ddp(self) -> bool:
+        return self.strategy in ("ddp", "zero1")
+
+    def at(self, world_size: int, rank: int = 0) -> Distributed:
+        """The same strategy over ``world_size`` ranks, as ``rank`` sees it."""
+        from dataclasses import replace
+
+        raf = self.reshard_after_forward
+        if not isinstance(raf, bool) and (raf > world_size or world_size % raf):
+            raf = True  # an int that does not divide the new world: reshard fully
+        return replace(self, world_size=world_size, rank=rank, reshard_after_forward=raf)
+
+    def describe(self) -> str:
+        if not self.active:
+            return "one GPU"
+        text = f"{self.strategy} over {self.world_size} ranks"
+        return text + (f", rank {self.rank} simulated" if self.world_size > 1 else "")
 
 
 @dataclass(frozen=True)
@@ -50,6 +137,7 @@ class Recipe:
     zero_grad_at: str = "step-start"
     cudnn_benchmark: bool = False
     iterations: int = 2
+    distributed: Distributed = field(default_factory=Distributed)
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -67,6 +155,12 @@ class Recipe:
             raise SpecError("training.zero_grad_at", self.zero_grad_at, f"one of {', '.join(ZERO_GRAD_AT)}")
         if not isinstance(self.grad_accumulation_steps, int) or self.grad_accumulation_steps < 1:
             raise SpecError("training.grad_accumulation_steps", self.grad_accumulation_steps, "an integer >= 1")
+        if not isinstance(self.distributed, Distributed):
+            raise SpecError("training.distributed", self.distributed, "a Distributed")
+        if self.distributed.param_dtype is not None and self.precision != "fp32":
+            raise SpecError("training.precision", self.precision, "'fp32' with fsdp.param_dtype set: FSDP2 casts "
+                            "for compute, without autocast, and keeps the sharded parameters and the optimizer "
+                            "state in fp32 (torchtitan's recipe)")
         if not isinstance(self.iterations, int) or self.iterations < 2:
             # Optimizer state appears in the first step, the steady peak in the second.
             raise SpecError("training.iterations", self.iterations, "an integer >= 2")

@@ -36,7 +36,15 @@ from estimator.request.limits import (
     MAX_SIDE,
     MIN_SIDE,
 )
-from estimator.request.recipe import Checkpointing, OptimizerName, Precision, ZeroGradAt
+from estimator.request.recipe import (
+    MAX_WORLD_SIZE,
+    Checkpointing,
+    LowPrecision,
+    OptimizerName,
+    Precision,
+    Strategy,
+    ZeroGradAt,
+)
 
 # The heads a transformers model can train, and its attention kernels.
 Task = Literal["causal-lm", "masked-lm", "sequence-classification", "seq2seq-lm", "image-classification"]
@@ -123,6 +131,47 @@ class OptimizerSpec(BaseModel):
         return {k: v for k, v in self.model_dump(exclude={"name"}).items() if v is not None}
 
 
+class DDPSpec(BaseModel):
+    model_config = _STRICT
+    bucket_cap_mb: float | None = Field(None, gt=0, le=65536, description="DistributedDataParallel's "
+                                        "bucket_cap_mb; null: DDP's default, 25 MiB buckets after a first one "
+                                        "of 1 MiB (a number given caps the first bucket too, as in DDP)")
+    gradient_as_bucket_view: bool = Field(False, description="gradients are views into the buckets: no "
+                                          "second copy of the gradients")
+    static_graph: bool = False
+
+
+class FSDPSpec(BaseModel):
+    model_config = _STRICT
+    reshard_after_forward: bool | int = Field(True, description="fully_shard's: true frees each block's gathered "
+                                              "parameters after its forward (gathered again in backward); false "
+                                              "keeps them; an int reshards to that many ranks")
+    param_dtype: LowPrecision | None = Field(None, description="MixedPrecisionPolicy.param_dtype: the dtype "
+                                             "blocks compute in (null: the parameters' own); with it set, "
+                                             "training.precision must be 'fp32' (no autocast)")
+    reduce_dtype: LowPrecision | None = Field(None, description="MixedPrecisionPolicy.reduce_dtype: the "
+                                              "gradients' reduce-scatter dtype (null: the parameters' own)")
+    wrap: Literal["blocks"] = Field("blocks", description="fully_shard on each transformer block (the largest "
+                                    "ModuleList/Sequential's entries), then on the root, as torchtitan does")
+
+
+class DistributedSpec(BaseModel):
+    model_config = _STRICT
+    strategy: Strategy = Field("none", description="'none' (one GPU), 'ddp', 'fsdp' (FSDP2) or 'zero1' (DDP + "
+                               "ZeroRedundancyOptimizer)")
+    world_size: int | Literal["auto"] = Field(
+        1, description=f"ranks (1 to {MAX_WORLD_SIZE}), or 'auto': the fewest at which batch 1 fits each card")
+    ddp: DDPSpec = Field(default_factory=DDPSpec, description="with strategy 'ddp' or 'zero1'")
+    fsdp: FSDPSpec = Field(default_factory=FSDPSpec, description="with strategy 'fsdp'")
+
+    @field_validator("world_size")
+    @classmethod
+    def _world(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and not 1 <= v <= MAX_WORLD_SIZE:
+            raise ValueError(f"an integer from 1 to {MAX_WORLD_SIZE}, or 'auto'")
+        return v
+
+
 class TrainingSpec(BaseModel):
     model_config = _STRICT
     precision: Precision = "fp32"
@@ -137,6 +186,8 @@ class TrainingSpec(BaseModel):
     cudnn_benchmark: bool = Field(False, description="torch.backends.cudnn.benchmark (default false, as in "
                                   "PyTorch): the first step of each convolution shape times cuDNN's plans, then "
                                   "empties the allocator's cache")
+    distributed: DistributedSpec = Field(default_factory=DistributedSpec, description="data-parallel training "
+                                         "over several GPUs: the answers are per rank")
 
 
 class CustomGPUSpec(BaseModel):
@@ -286,7 +337,37 @@ def check_request(req: EstimateRequest, *, allow_local_code: bool = False) -> Es
     free = ("config", req.model.config) if isinstance(req.model, TransformersModel) else ("kwargs", req.model.kwargs)
     _check_json(free[1], f"model.{free[0]}", 0)
     check_request_names(req.model)  # allow-lists: kwargs, config fields, no paths or URLs
+    _check_distributed(req)
     return req
+
+
+def _check_distributed(req: EstimateRequest) -> None:
+    """A distributed section that says what it means: options only for their strategy, one world size."""
+    d = req.training.distributed
+    path = "training.distributed"
+    if d.strategy == "none":
+        if d.world_size != 1:
+            raise SpecError(f"{path}.world_size", d.world_size, "1 with strategy 'none' (name a strategy: ddp, "
+                            "fsdp or zero1)")
+    if "fsdp" in d.model_fields_set and d.strategy != "fsdp":
+        raise SpecError(f"{path}.fsdp", d.fsdp.model_dump(), f"no fsdp options with strategy '{d.strategy}'")
+    if "ddp" in d.model_fields_set and d.strategy not in ("ddp", "zero1"):
+        raise SpecError(f"{path}.ddp", d.ddp.model_dump(), f"no ddp options with strategy '{d.strategy}'")
+    raf = d.fsdp.reshard_after_forward
+    if not isinstance(raf, bool):
+        if raf < 1:
+            raise SpecError(f"{path}.fsdp.reshard_after_forward", raf, "true, false or an integer >= 1")
+        if isinstance(d.world_size, int) and (raf > d.world_size or d.world_size % raf):
+            raise SpecError(f"{path}.fsdp.reshard_after_forward", raf,
+                            f"true, false, or a divisor of world_size ({d.world_size})")
+    if d.fsdp.param_dtype is not None and req.training.precision != "fp32":
+        raise SpecError("training.precision", req.training.precision, "'fp32' with fsdp.param_dtype set: FSDP2 "
+                        "casts for compute without autocast, and keeps the sharded parameters and the optimizer "
+                        "state in fp32 (torchtitan's recipe)")
+    ranks = req.planner.data_parallel_ranks
+    if d.strategy != "none" and ranks != 1 and ranks != d.world_size:
+        raise SpecError("planner.data_parallel_ranks", ranks, f"1 or the world size ({d.world_size}) with "
+                        "training.distributed: the world size is the data-parallel ranks")
 
 
 def _check_json(value: Any, path: str, depth: int) -> None:

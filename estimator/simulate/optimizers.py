@@ -33,6 +33,10 @@ def build_optimizer(recipe: Recipe, params: Iterable[torch.nn.Parameter]) -> tor
     if recipe.optimizer == "sgd" and kwargs.get("nesterov") and not kwargs.get("momentum"):
         kwargs["momentum"] = 0.9
     try:
+        if recipe.distributed.strategy == "zero1":
+            from estimator.simulate.distributed import zero_optimizer
+
+            return zero_optimizer(cls, list(params), kwargs)
         return cls(list(params), **kwargs)
     except (TypeError, ValueError) as exc:
         raise SpecError(

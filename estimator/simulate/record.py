@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry as _FLOPS
 
@@ -25,11 +26,20 @@ from estimator.gpus import GPU
 from estimator.models.meta import build_on_meta
 from estimator.request.recipe import Recipe
 from estimator.simulate.accumulation import Cut, expand, micro_steps_in_trace, repeats
+from estimator.simulate.distributed import (
+    NCCL_ASSUMPTION,
+    gathered_parameters,
+    gradient_buckets,
+    mesh_for,
+    process_group,
+    shard,
+)
 from estimator.simulate.step import BatchFactory, LossFn, ModelFactory, StepHooks, cast_model, prepare, run_steps
 from estimator.simulate.virtual_gpu import Shortcuts, VirtualGPU
 from estimator.simulate.virtual_gpu.cudnn import ASSUMPTION as CUDNN_ASSUMPTION
 from estimator.simulate.virtual_gpu.cudnn import BENCHMARK_ASSUMPTION, COLUMNS, WORKSPACE, ConvWorkspaces
 from estimator.simulate.virtual_gpu.engine import Engine
+from estimator.simulate.virtual_gpu.streams import Streams
 from estimator.simulate.virtual_gpu.worst_case import WorstCase
 from estimator.trace import Allocation, Category, Phase, Trace
 
@@ -69,6 +79,9 @@ class Recorder:
         self.params: list[torch.nn.Parameter] = []  # whose .grad is a gradient when a backward ends
         self.closed = False  # finished: the trace is complete
         self.engine: Engine | None = None
+        self.streams: Streams | None = None  # the virtual GPU's, set by record_training
+        self.key_category: dict[int, str] = {}  # storages whose every allocation has a category (mark_storages)
+        self.last_aid: dict[int, int] = {}  # a resized storage's latest allocation
 
     # --- the Observer protocol (estimator.simulate.virtual_gpu)
     def attach(self, engine: Engine) -> None:
@@ -88,6 +101,21 @@ class Recorder:
 
     def backward_end(self) -> None:
         self.mark((p.grad for p in self.params), Category.GRADIENT)
+
+    def on_resize(self, storage: Any, old_nbytes: int, new_nbytes: int) -> None:
+        """A storage resized in place: its old bytes freed, its new ones allocated (one allocation each way;
+        the caching allocator frees and mallocs for ``resize_`` too)."""
+        key = storage._cdata
+        aid = self.live.pop(key, None)
+        if aid is not None:
+            self.trace.events.append((False, aid))
+            self.live_bytes -= self.trace.allocations[aid].nbytes
+        elif old_nbytes:
+            return  # a storage this recorder never saw (made outside the step)
+        if new_nbytes:
+            category = self.key_category.get(key, Category.UNKNOWN)
+            self.live[key] = self._alloc(new_nbytes, "resize_", category)
+            self.last_aid[key] = self.live[key]
 
     def on_op(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None:
         name = func._schema.name.split("::")[-1]
@@ -113,6 +141,10 @@ class Recorder:
                 self._transient(nbytes, f"{kind}[{name}]", _CONV_CATEGORY[kind])
 
     # --- recording
+    def stream(self) -> int:
+        """The stream current on the virtual GPU (0 until one is attached: the default stream)."""
+        return self.streams.current_id() if self.streams is not None else 0
+
     def _in_backward(self) -> bool:
         return self.engine is not None and bool(self.engine.node_stack)
 
@@ -130,6 +162,8 @@ class Recorder:
         self.live_bytes -= nbytes
 
     def track(self, t: torch.Tensor, op: str) -> None:
+        if is_traceable_wrapper_subclass(t):
+            return  # a DTensor holds no memory of its own: its local tensor does (recorded by its own op)
         storage = t.untyped_storage()
         key = storage._cdata
         if key in self.live:
@@ -144,7 +178,8 @@ class Recorder:
 
     def _alloc(self, nbytes: int, op: str, category: Category) -> int:
         aid = len(self.trace.allocations)
-        self.trace.allocations.append(Allocation(nbytes, self.phase, self.module(), op, self.iteration, category))
+        self.trace.allocations.append(Allocation(nbytes, self.phase, self.module(), op, self.iteration, category,
+                                                 self.stream()))
         self.trace.events.append((True, aid))
         self.live_bytes += nbytes
         if self.live_bytes > self.peak_bytes:
@@ -154,15 +189,32 @@ class Recorder:
     def _free(self, key: int, aid: int) -> None:
         if self.closed:
             return  # storages that outlive the step (the model's, freed when the caller drops it): not part of it
-        if self.live.get(key) == aid:
+        if key in self.last_aid:  # resized in place since: its latest allocation, if not resized to 0
+            aid = self.live.pop(key, -1)
+            del self.last_aid[key]
+            self.key_category.pop(key, None)
+            if aid < 0:
+                return
+        elif self.live.get(key) == aid:
             del self.live[key]
         self.trace.events.append((False, aid))
         self.live_bytes -= self.trace.allocations[aid].nbytes
 
+    def mark_storages(self, tensors: Any, category: Category) -> None:
+        """``mark``, and every later allocation of these tensors' storages (resized in place) too."""
+        for t in tensors:
+            key = t.untyped_storage()._cdata
+            self.key_category[key] = category
+            aid = self.live.get(key, self.last_aid.get(key))
+            if aid is not None:
+                self.trace.allocations[aid].category = category
+
     def mark(self, tensors: Any, category: Category) -> None:
         """Give the storages of ``tensors`` a category (parameters, grads, states)."""
         for t in tensors:
-            if isinstance(t, torch.Tensor) and t.device.type == self.device_type:
+            if is_traceable_wrapper_subclass(t):
+                self.mark((getattr(t, name) for name in t.__tensor_flatten__()[0]), category)  # DTensor's shard
+            elif isinstance(t, torch.Tensor) and t.device.type == self.device_type:
                 aid = self.live.get(t.untyped_storage()._cdata)
                 if aid is not None:
                     self.trace.allocations[aid].category = category
@@ -201,6 +253,8 @@ class Recorder:
                 continue
             if a.phase == Phase.INPUT:
                 a.category = Category.INPUT
+            elif a.stream:
+                a.category = Category.COMMUNICATION  # made on a collective's stream (FSDP2's)
             elif a.phase in (Phase.FORWARD, Phase.LOSS) and k in self.survivors:
                 a.category = Category.ACTIVATION
             else:
@@ -227,10 +281,11 @@ class SimulationHooks(StepHooks):
     """The training loop as the recorder sees it: phases, categories, the virtual GPU's autocast and
     ``.item()`` policy, and foreign exceptions translated at this one seam."""
 
-    def __init__(self, vgpu: VirtualGPU, recorder: Recorder) -> None:
+    def __init__(self, vgpu: VirtualGPU, recorder: Recorder, model: torch.nn.Module | None = None) -> None:
         super().__init__(vgpu.device)
         self.vgpu = vgpu
         self.recorder = recorder
+        self.model = model  # a distributed step's (wrapped) model, whose own buffers get their categories
 
     def phase(self, phase: Phase, iteration: int) -> None:
         self.recorder.phase = phase
@@ -250,20 +305,27 @@ class SimulationHooks(StepHooks):
 
     def backward_starts(self) -> None:
         self.recorder.snapshot_survivors()
+        if self.model is not None:
+            # what the forward made of distributed training's own memory: gathered parameters, buckets
+            self.recorder.mark_storages(gathered_parameters(self.model), Category.PARAMETER)
+            self.recorder.mark(gradient_buckets(self.model), Category.COMMUNICATION)
 
     def after_backward(self, params: list[torch.nn.Parameter]) -> None:
         self.recorder.mark((p.grad for p in params), Category.GRADIENT)
 
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
-        self.recorder.mark(tree_leaves(list(optimizer.state.values())), Category.OPTIMIZER_STATE)
+        local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer: this rank's optimizer
+        self.recorder.mark(tree_leaves(list(local.state.values())), Category.OPTIMIZER_STATE)
 
 
 class _ModuleTracker:
     """Global forward hooks that keep the module path stack of the recorder."""
 
-    def __init__(self, recorder: Recorder, root: torch.nn.Module) -> None:
+    def __init__(self, recorder: Recorder, root: torch.nn.Module, wrapper: torch.nn.Module | None = None) -> None:
         self.recorder = recorder
         self.names = {id(m): (n or type(root).__name__) for n, m in root.named_modules()}
+        if wrapper is not None and wrapper is not root:
+            self.names[id(wrapper)] = type(root).__name__  # DDP's wrapper: the model's own name
         self.handles: list[Any] = []
 
     def __enter__(self) -> _ModuleTracker:
@@ -334,21 +396,36 @@ def record_training(
     recorder = Recorder("cuda" if gpu is not None else "cpu", gpu.cublas_workspace_bytes if gpu is not None else 0,
                         convs, every_micro_step)
     vgpu = VirtualGPU(gpu, observer=recorder, worst_case=WorstCase() if worst_case else None,
-                      subclass_like=subclass_like, cpp_engine=cpp_engine, shortcuts=shortcuts)
+                      subclass_like=subclass_like, cpp_engine=cpp_engine, shortcuts=shortcuts,
+                      distributed=recipe.distributed.active)
     if worst_case:
         recorder.trace.assumptions.append(WORST_CASE_ASSUMPTION)
-    with vgpu, torch.autograd.graph.node_creation_hook(
-            lambda node: recorder.node_modules.__setitem__(node._sequence_nr(), recorder.module())):
-        model = vgpu.materialize(meta_model)
+    recorder.streams = vgpu.streams
+    d = recipe.distributed
+    with contextlib.ExitStack() as stack:
+        mesh = None
+        if d.active:
+            stack.enter_context(process_group(d))
+            recorder.trace.assumptions.append(NCCL_ASSUMPTION)
+            if d.shards:
+                mesh = mesh_for(d, vgpu.device.type)
+        stack.enter_context(vgpu)
+        stack.enter_context(torch.autograd.graph.node_creation_hook(
+            lambda node: recorder.node_modules.__setitem__(node._sequence_nr(), recorder.module())))
+        if mesh is not None:
+            recorder.trace.assumptions.append(_call(Phase.SETUP, lambda: shard(meta_model, d, mesh), recorder))
+            model = vgpu.materialize_sharded(meta_model)
+        else:
+            model = vgpu.materialize(meta_model)
         recorder.mark(model.parameters(), Category.PARAMETER)
         recorder.mark(model.buffers(), Category.BUFFER)
         recorder.trace.unsupported.extend(_unsupported_hooks(model))
-        training = prepare(model, recipe, vgpu.device)
+        training = _call(Phase.SETUP, lambda: prepare(model, recipe, vgpu.device, simulated=True), recorder)
         recorder.trace.assumptions.extend(training.notes)
         recorder.params = training.params
-        with _ModuleTracker(recorder, model):
+        with _ModuleTracker(recorder, model, training.model):
             run_steps(training, batch_factory, loss_fn, batch_size, recipe, vgpu.device,
-                      SimulationHooks(vgpu, recorder))
+                      SimulationHooks(vgpu, recorder, training.model if d.active else None))
         recorder.params = []
         del model, training
     accumulation = recipe.grad_accumulation_steps

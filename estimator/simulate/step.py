@@ -93,12 +93,20 @@ def cast_model(model: torch.nn.Module, recipe: Recipe) -> torch.nn.Module:
     return model.to(torch.bfloat16) if recipe.precision == "bf16" else model
 
 
-def prepare(model: torch.nn.Module, recipe: Recipe, device: torch.device) -> Training:
-    """Train mode, checkpointing, the optimizer and the GradScaler (for ``device``), as every run sets them up."""
+def prepare(model: torch.nn.Module, recipe: Recipe, device: torch.device, simulated: bool = False) -> Training:
+    """Train mode, checkpointing, DDP, the optimizer and the GradScaler (for ``device``), as every run sets
+    them up. FSDP's ``fully_shard`` is applied before (``estimator.simulate.distributed.shard``: a simulation
+    shards the model on the meta device). ``simulated``: the step runs on the virtual GPU (DDP's Reducer is
+    then ``SimulatedDDP``)."""
     model.train()
     notes = []
     if recipe.gradient_checkpointing:
         notes.append(enable_checkpointing(model, recipe.gradient_checkpointing))
+    if recipe.distributed.uses_ddp:
+        from estimator.simulate.distributed import replicate
+
+        model, how = replicate(model, recipe.distributed, simulated)
+        notes.append(how)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(recipe, params)
     scaler = torch.amp.GradScaler(device.type) if recipe.uses_grad_scaler else None

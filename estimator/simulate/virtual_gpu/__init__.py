@@ -23,7 +23,8 @@ import torch.optim.optimizer as _optim
 import torch.utils.checkpoint
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._mode_utils import no_dispatch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_leaves
 
 from estimator.errors import DataDependentError
 from estimator.gpus import GPU
@@ -31,6 +32,7 @@ from estimator.simulate.virtual_gpu.attention import make_sdpa
 from estimator.simulate.virtual_gpu.device import DeviceProperties, Patches, patch_cuda_queries
 from estimator.simulate.virtual_gpu.engine import Engine, SavedTensors, TensorHooks
 from estimator.simulate.virtual_gpu.fake_mode import FakeMode, Shortcuts
+from estimator.simulate.virtual_gpu.streams import Streams
 from estimator.simulate.virtual_gpu.worst_case import WorstCase
 
 __all__ = ["NullObserver", "Observer", "Shortcuts", "VirtualGPU"]
@@ -62,6 +64,9 @@ class Observer(Protocol):
     def backward_end(self) -> None:
         """A top-level backward finished."""
 
+    def on_resize(self, storage: Any, old_nbytes: int, new_nbytes: int) -> None:
+        """A storage on the GPU was resized in place (FSDP2 frees and refills its gathered parameters so)."""
+
 
 class NullObserver:
     """Watches nothing: memory queries answer 0."""
@@ -87,6 +92,12 @@ class NullObserver:
     def backward_end(self) -> None:
         pass
 
+    def on_resize(self, storage: Any, old_nbytes: int, new_nbytes: int) -> None:
+        pass
+
+
+_PLAIN = (torch.Tensor, FakeTensor, torch.nn.Parameter)
+
 
 class _DispatchMode(TorchDispatchMode):
     """Sits above FakeTensorMode: ``.item()`` policy, observer."""
@@ -97,7 +108,13 @@ class _DispatchMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if any(issubclass(t, torch.Tensor) and t not in _PLAIN for t in types) and any(
+                is_traceable_wrapper_subclass(x) for x in tree_leaves((args, kwargs))):
+            # a DTensor's op: DTensor runs it on its local tensors, which come back here one by one
+            return NotImplemented
         vgpu = self.vgpu
+        if vgpu._muted:
+            return func(*args, **kwargs)  # DTensor working out an op's global shape: nothing a GPU allocates
         if func is torch.ops.aten._local_scalar_dense.default:
             return vgpu._scalar(args[0])
         policy = vgpu.worst_case
@@ -108,6 +125,18 @@ class _DispatchMode(TorchDispatchMode):
             policy.after(func, args, kwargs, out)
         vgpu.observer.on_op(func, args, kwargs, out)
         return out
+
+
+class _EngineFacade:
+    """``Variable._execution_engine`` while simulating: final callbacks go to our engine (FSDP2 and DDP
+    queue theirs there); anything else is the C++ engine's."""
+
+    def __init__(self, real: Any, engine: Engine) -> None:
+        self._real = real
+        self.queue_callback = engine.queue_callback
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
 
 
 class VirtualGPU:
@@ -122,6 +151,7 @@ class VirtualGPU:
     def __init__(
         self, gpu: GPU | None, *, observer: Observer | None = None, worst_case: WorstCase | None = None,
         shortcuts: Shortcuts | None = None, subclass_like: bool = False, cpp_engine: bool = False,
+        distributed: bool = False,
     ) -> None:
         self.gpu = gpu
         self.is_cuda = gpu is not None
@@ -135,12 +165,15 @@ class VirtualGPU:
         self.observer.attach(self.engine)
         self.shortcuts = shortcuts or Shortcuts()
         self._allow_item = False
+        self._muted = 0  # > 0: ops run without the observer (DTensor's shape propagation)
+        self.distributed = distributed  # DTensor may run: its shape propagation is muted
         self.sdpa_calls: set = set()  # SdpaCall: what the attention backend choices read
         self.card_queries: list[str] = []  # torch.cuda questions whose answer depends on the card
         self.worst_case = worst_case  # data-dependent ops at their largest size, or None
         # Tests only: leave torch's C++ engine in charge (works for fake CPU tensors).
         self.cpp_engine = cpp_engine and gpu is None
         self.unsupported: list[str] = []
+        self.streams = Streams()  # which stream allocates: one allocator pool per stream
         self._patches = Patches()
         self._fake: FakeMode | None = None
         self._mode: _DispatchMode | None = None
@@ -157,7 +190,15 @@ class VirtualGPU:
                 engine_run = self.engine.run_backward
                 p.set(torch.autograd.graph, "_engine_run_backward", engine_run)
                 p.set(torch.autograd, "_engine_run_backward", engine_run)
+                p.set(torch.autograd.Variable, "_execution_engine",
+                      _EngineFacade(torch.autograd.Variable._execution_engine, self.engine))
             p.set(torch.Tensor, "register_hook", self._wrap_register_hook(torch.Tensor.register_hook))
+            p.set(torch.UntypedStorage, "resize_", self._wrap_resize(torch.UntypedStorage.resize_))
+            if self.distributed:
+                from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+                name = "_propagate_tensor_meta_non_cached"
+                p.set(ShardingPropagator, name, self._muting(getattr(ShardingPropagator, name)))
             p.set(torch.autograd.function.Function, "apply", self._wrap_function_apply())
             if self.gpu is not None:
                 props = DeviceProperties(
@@ -167,6 +208,7 @@ class VirtualGPU:
                 obs = self.observer
                 patch_cuda_queries(p, props, obs.memory_allocated, obs.max_memory_allocated, obs.reset_peak,
                                    self.card_queries.append, obs.empty_cache)
+                self.streams.patch(p)
                 # docs/DESIGN.md, fact 5: the attention backend the card would pick.
                 p.set(torch.nn.functional, "scaled_dot_product_attention",
                       make_sdpa(torch.nn.functional.scaled_dot_product_attention, self.capability,
@@ -222,6 +264,11 @@ class VirtualGPU:
             for mod, name in rest:
                 mod._parameters[name] = keep
         return module
+
+    def materialize_sharded(self, module: torch.nn.Module) -> torch.nn.Module:
+        """A meta module whose parameters are DTensors (FSDP2's shards) onto the virtual device, as
+        ``module.to_empty(device="cuda")`` does (torchtitan): each rank allocates its padded shards."""
+        return module.to_empty(device=self.device)
 
     def autocast(self, dtype: torch.dtype | None) -> None:
         """Switch CUDA's (or CPU's) real autocast policy on for ``dtype``, or off with None.
@@ -284,6 +331,34 @@ class VirtualGPU:
             "which a simulation without data cannot know",
             where="forward",
         )
+
+    def _muting(self, original):
+        """``original`` run with the observer muted: DTensor's sharding propagation runs each op once on
+        global-shape fake tensors in the fake mode it finds (ours) to learn the output's shape."""
+        vgpu = self
+
+        def muted(*args, **kwargs):
+            vgpu._muted += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                vgpu._muted -= 1
+
+        return muted
+
+    def _wrap_resize(self, original):
+        """``UntypedStorage.resize_``, seen by the observer: an in-place free (to 0) or allocation of a
+        storage that outlives it (FSDP2's ``free_storage``/``alloc_storage``); not a dispatcher op."""
+        observer, device_type = self.observer, self.device.type
+
+        def resize_(storage, size):
+            old = storage.nbytes()
+            out = original(storage, size)
+            if storage.device.type == device_type and old != storage.nbytes():
+                observer.on_resize(storage, old, storage.nbytes())
+            return out
+
+        return resize_
 
     def _wrap_register_hook(self, original):
         hooks = self.hooks

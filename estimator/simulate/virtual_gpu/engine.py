@@ -282,6 +282,15 @@ class Engine:
         self.on_backward_end = on_backward_end  # called when a top-level backward finishes
         self._ref_base = _refcount_baseline()
         self._graph_seqs: list[set[int]] = []
+        # per running backward: what ``Variable._execution_engine.queue_callback`` queued (FSDP2, DDP)
+        self._final_callbacks: list[list[Callable[[], None]]] = []
+
+    def queue_callback(self, callback: Callable[[], None]) -> None:
+        """``Variable._execution_engine.queue_callback``: run ``callback`` when the running backward ends,
+        after every node (engine.cpp, ``GraphTask::exec_post_processing``)."""
+        if not self._final_callbacks:
+            raise RuntimeError("Final callbacks can only be installed during backward pass.")
+        self._final_callbacks[-1].append(callback)
 
     # The signature of torch.autograd.graph._engine_run_backward.
     def run_backward(
@@ -302,10 +311,17 @@ class Engine:
             # the C++ engine's task id it needs a group to recompute only once.
             group = torch.utils.checkpoint.GraphExecGroup()
             group.__enter__()
+        callbacks: list[Callable[[], None]] = []
+        self._final_callbacks.append(callbacks)
         try:
             with torch.set_grad_enabled(create_graph):
                 captured = self._execute(roots, list(grad_tensors), keep_graph, output_edges, accumulate_grad)
+            i = 0
+            while i < len(callbacks):  # a callback may queue another
+                callbacks[i]()
+                i += 1
         finally:
+            self._final_callbacks.pop()
             if group is not None:
                 group.__exit__(None, None, None)
         if not accumulate_grad:
@@ -595,7 +611,7 @@ class Engine:
         else:
             variable.grad = grad + new_grad
         del grad, new_grad
-        for hook in list(getattr(variable, "_post_accumulate_grad_hooks", None) or {}.values()):
+        for hook in list((getattr(variable, "_post_accumulate_grad_hooks", None) or {}).values()):
             hook(variable)
         return []
 
