@@ -20,13 +20,13 @@ if TYPE_CHECKING:
 # Each vocabulary once: the request schema (estimator/request/spec.py) uses these aliases.
 Precision = Literal["fp32", "amp-fp16", "amp-bf16", "bf16"]
 OptimizerName = Literal["sgd", "adam", "adamw", "adagrad", "rmsprop", "adafactor"]
-Checkpointing = bool | Literal["reentrant", "non-reentrant"]
+Checkpointing = bool | Literal["reentrant", "non-reentrant", "selective"]
 ZeroGradAt = Literal["step-start", "after-forward"]
 Strategy = Literal["none", "ddp", "fsdp", "zero1"]
 LowPrecision = Literal["fp32", "bf16", "fp16"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)
 OPTIMIZERS: tuple[str, ...] = get_args(OptimizerName)
-CHECKPOINTING = (False, True, "reentrant", "non-reentrant")
+CHECKPOINTING = (False, True, "reentrant", "non-reentrant", "selective")
 ZERO_GRAD_AT: tuple[str, ...] = get_args(ZeroGradAt)
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
 MP_DTYPES: tuple[str, ...] = get_args(LowPrecision)
@@ -120,7 +120,9 @@ class Recipe:
     """The training recipe; ``None`` optimizer options mean PyTorch's default on the target.
 
     ``gradient_checkpointing``: ``False``, ``True`` (non-reentrant, the
-    torch.utils.checkpoint default), ``"reentrant"`` or ``"non-reentrant"``.
+    torch.utils.checkpoint default), ``"reentrant"``, ``"non-reentrant"`` or
+    ``"selective"`` (torchtitan's per-op selective activation checkpointing:
+    matmul and attention outputs saved, every second mm and all else recomputed).
     ``zero_grad_at``: ``"step-start"`` (``optimizer.zero_grad()`` before the
     forward, or after the previous step: the HF Trainer, timm) or
     ``"after-forward"`` (between the loss and backward, as Lightning's
@@ -147,7 +149,7 @@ class Recipe:
         if self.gradient_checkpointing not in CHECKPOINTING:
             raise SpecError(
                 "training.gradient_checkpointing", self.gradient_checkpointing,
-                "false, true, 'reentrant' or 'non-reentrant'",
+                "false, true, 'reentrant', 'non-reentrant' or 'selective'",
             )
         if not isinstance(self.cudnn_benchmark, bool):
             raise SpecError("training.cudnn_benchmark", self.cudnn_benchmark, "true or false")

@@ -117,6 +117,46 @@ def _gpt2():
     return GPT2LMHeadModel(cfg)
 
 
+class _GPTBlock(nn.Module):
+    """A GPT-2 block with bias-free Linears (as Llama's): its four matmuls reach ``aten.mm``."""
+
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.proj = nn.Linear(d, d, bias=False)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 4 * d, bias=False)
+        self.out = nn.Linear(4 * d, d, bias=False)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+                   for z in self.qkv(self.ln1(x)).split(d, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(y)
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class MiniGPT(nn.Module):
+    """A GPT-2-style LM outside transformers: token and position embeddings, a ModuleList of blocks, a head."""
+
+    def __init__(self, vocab: int = 1000, seq: int = 32, d: int = 128, heads: int = 4, layers: int = 2) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(seq, d)
+        self.blocks = nn.ModuleList(_GPTBlock(d, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids):
+        x = self.tok(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
 def _bert():
     from transformers import BertConfig, BertForSequenceClassification
 
@@ -169,6 +209,7 @@ ZOO = {
                                            torch.zeros(b, dtype=torch.long, device=d)), _ce),
     "gpt2": (_gpt2, _tokens(1000, 32), _lm_loss),
     "bert": (_bert, _bert_batch, _seqcls_loss),
+    "minigpt": (MiniGPT, _tokens(1000, 32), _lm_loss),
     "tied": (TiedLM, _tokens(500, 16), _lm_loss),
     "inplace": (InPlaceNet, lambda b, d: (torch.empty(b, 64, device=d), torch.empty(b, 64, device=d)),
                 lambda out, t: F.mse_loss(out, t)),
