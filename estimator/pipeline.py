@@ -33,11 +33,12 @@ from estimator.portable import PortableProfile
 from estimator.replay.allocator import AllocatorConfig
 from estimator.replay.report import MemoryReport, report_from_trace
 from estimator.request.adapt import advice_options, cards_of, recipe_of, with_planner
-from estimator.request.recipe import Recipe
+from estimator.request.recipe import MAX_WORLD_SIZE, Recipe
 from estimator.request.spec import EstimateRequest, parse_request
 from estimator.simulate.record import record_training
 from estimator.simulate.step import BatchFactory, LossFn, ModelFactory
 from estimator.sources import CHECK_OFFSET, ProfileReplayer, Progress, Simulator
+from estimator.worlds import Worlds, suggestions
 
 
 def estimate(request: EstimateRequest, *, built: BuiltModel | None = None, progress: Progress | None = None,
@@ -53,9 +54,16 @@ def estimate(request: EstimateRequest, *, built: BuiltModel | None = None, progr
     """
     t0 = time.perf_counter()
     request = with_planner(request, align=align, confirm=confirm, reserve_bytes=reserve_bytes)
+    if request.training.distributed.world_size == "auto":
+        if request.planner.max_seq_len:
+            raise SpecError("planner.max_seq_len", True, "false with training.distributed.world_size 'auto' "
+                            "(search the seq_len at an integer world size)")
+        return _estimate_auto(request, built, progress, t0)
     cards, built, sim, start, warnings = _simulator(request, built, progress)
     response = _answer(sim, request, cards, start, built.name, built.parameter_count, built.input,
-                       list(built.assumptions), warnings, t0)
+                       list(built.assumptions), warnings, t0, sim.recipe.distributed.world_size)
+    if request.training.distributed.strategy == "none":
+        response = _with_suggestions(response, request, built, sim.recipe, cards, start)
     if not request.planner.max_seq_len:
         return response
     if "seq_len" not in built.input:
@@ -66,6 +74,65 @@ def estimate(request: EstimateRequest, *, built: BuiltModel | None = None, progr
     provenance = dataclasses.replace(response.provenance, simulations=response.provenance.simulations
                                      + len(longest.traces), seconds=round(time.perf_counter() - t0, 3))
     return dataclasses.replace(response, results=results, provenance=provenance)
+
+
+def _estimate_auto(request: EstimateRequest, built: BuiltModel | None, progress: Progress | None,
+                   t0: float) -> EstimateResponse:
+    """``world_size: "auto"``: per card the fewest ranks at which the smallest batch fits
+    (``estimator.worlds``), and the answer there."""
+    cards = cards_of(request)
+    built = built or build(request)
+    worlds = Worlds(built, request, progress)
+    warnings: list[Note] = []
+    start = _smallest_batch(worlds.sim(1), cards[0], warnings)
+    chosen = {card.name: worlds.min_world(card, start) for card in cards}
+    groups: dict[int, list[GPU]] = {}
+    for card in cards:
+        groups.setdefault(chosen[card.name] or MAX_WORLD_SIZE, []).append(card)
+    parts = {w: _answer(worlds.sim(w), request, group, start, built.name, built.parameter_count, built.input,
+                        list(built.assumptions), list(warnings), t0, w) for w, group in groups.items()}
+    by_card = {r.gpu: (w, r) for w, part in parts.items() for r in part.results}
+    results = [dataclasses.replace(by_card[c.name][1], min_world_size=chosen[c.name]) for c in cards]
+    first = parts[chosen[cards[0].name] or MAX_WORLD_SIZE]
+    assumptions: list[str] = []
+    notes: list[Note] = []
+    for part in parts.values():
+        assumptions.extend(a for a in part.assumptions if a not in assumptions)
+        notes.extend(n for n in part.warnings if n not in notes)
+    assumptions.append(f"world_size 'auto': per card the fewest ranks (1 to {MAX_WORLD_SIZE}) at which batch "
+                       f"{start} fits, found by doubling then bisection on full simulations of one rank")
+    for card in cards:
+        if chosen[card.name] is None:
+            notes.append(Note(WarningCode.DOES_NOT_FIT, f"{built.name} does not fit on {card.name} even over "
+                              f"{MAX_WORLD_SIZE} ranks of {request.training.distributed.strategy}"))
+    provenance = dataclasses.replace(first.provenance, simulations=worlds.simulations,
+                                     seconds=round(time.perf_counter() - t0, 3))
+    return dataclasses.replace(first, results=results, assumptions=assumptions, warnings=notes,
+                               provenance=provenance)
+
+
+def _with_suggestions(response: EstimateResponse, request: EstimateRequest, built: BuiltModel, recipe: Recipe,
+                      cards: list[GPU], start: int) -> EstimateResponse:
+    """A single-GPU answer whose smallest batch does not fit some card, with what would make it fit
+    (``estimator.worlds.suggestions``): each checked by a simulation."""
+    results, warnings, runs = [], list(response.warnings), 0
+    for card, result in zip(cards, response.results, strict=True):
+        if result.max_batch_size is not None:
+            results.append(result)
+            continue
+        found, n = suggestions(built, request, recipe, card, start)
+        runs += n
+        results.append(dataclasses.replace(result, suggestions=found))
+        if found:
+            for i, w in enumerate(warnings):
+                if w.code == WarningCode.DOES_NOT_FIT and card.name in w.message:
+                    warnings[i] = Note(w.code, f"{w.message}; it fits with {found[0].description.split(':')[0]}"
+                                       + (f" (or: {'; '.join(s.description.split(':')[0] for s in found[1:])})"
+                                          if len(found) > 1 else ""))
+    if not runs:
+        return response
+    provenance = dataclasses.replace(response.provenance, simulations=response.provenance.simulations + runs)
+    return dataclasses.replace(response, results=results, warnings=warnings, provenance=provenance)
 
 
 def estimate_memory(
@@ -196,7 +263,7 @@ def estimate_from_profile(profile: PortableProfile, gpus: list[Any] | None = Non
 
 def _answer(source: StepSource, request: EstimateRequest, cards: list[GPU], start: int, name: str,
             parameter_count: int, resolved_input: dict[str, Any], assumptions: list[str], warnings: list[Note],
-            t0: float) -> EstimateResponse:
+            t0: float, world_size: int = 1) -> EstimateResponse:
     plan = request.planner
     if request.batch_size is not None and request.batch_size < start:
         why = next((w.message for w in warnings if w.code == WarningCode.BATCH_ONE_CANNOT_TRAIN), "")
@@ -204,7 +271,9 @@ def _answer(source: StepSource, request: EstimateRequest, cards: list[GPU], star
     results: list[GPUResult] = []
     shown: MemoryReport | None = None
     answers = max_batches(source, cards, start, ConfirmMode(plan.confirm), warnings)
-    options = advice_options(request, resolved_input)
+    distributed = request.training.distributed.strategy != "none"
+    options = advice_options(request, resolved_input, world_size if distributed else None)
+    steps = request.training.grad_accumulation_steps
     gap = 2  # the headroom searches', as in the max's replay searches
     for card, (best, how) in zip(cards, answers, strict=True):
         at = request.batch_size or best or start
@@ -228,6 +297,7 @@ def _answer(source: StepSource, request: EstimateRequest, cards: list[GPU], star
             recommended_batch_size=rec, search=how, memory=report,
             max_memory=None if best is None else source.report_fast(best, card),
             recommended_memory=None if rec is None else source.report_fast(rec, shrunk),
+            world_size=world_size, global_batch_size=None if rec is None else rec * world_size * steps,
             **vars(advice)))
         shown = shown or report
     assert shown is not None  # a request names at least one card

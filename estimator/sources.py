@@ -7,6 +7,7 @@ does not care which it asks.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator, Sequence
 
@@ -21,6 +22,7 @@ from estimator.plan.replays import ReplayCache
 from estimator.portable import PortableProfile
 from estimator.replay.report import MemoryReport
 from estimator.request.recipe import Recipe
+from estimator.simulate.distributed import candidate_ranks_of
 from estimator.simulate.record import record_training
 from estimator.simulate.virtual_gpu.attention import SdpaCall, backend_for
 from estimator.trace import Trace
@@ -63,6 +65,8 @@ class Simulator(ReplayCache):
         self._reports: dict[tuple, MemoryReport] = {}
         self._pending: dict[tuple, tuple[background.Background, float]] = {}  # prefetched traces being simulated
         self._probe: Trace | None = None  # any trace: what the step asks of a card
+        self._ranks: list[int] | None = None  # distributed: the ranks that may need the most (one once known)
+        self.rank_note: str | None = None
 
     def signature(self, gpu: GPU) -> tuple:
         probe = self._probe
@@ -72,12 +76,44 @@ class Simulator(ReplayCache):
 
     def _record(self, batch: int, gpu: GPU) -> Trace:
         b = self.built
+        if len(self._resolve_ranks()) > 1:
+            return self._pick_rank(batch, gpu)
         return record_training(b.factory, b.batch_factory, b.loss_fn, batch, self.recipe, gpu,
                                worst_case=b.worst_case)
 
+    def _resolve_ranks(self) -> list[int]:
+        """The ranks a distributed step may need the most on; with one, the recipe stands for it."""
+        if self._ranks is None:
+            d = self.recipe.distributed
+            self._ranks = candidate_ranks_of(self.built.factory, d)
+            if len(self._ranks) == 1 and self._ranks[0] != d.rank:
+                self.recipe = dataclasses.replace(self.recipe, distributed=d.at(d.world_size, self._ranks[0]))
+        return self._ranks
+
+    def _pick_rank(self, batch: int, gpu: GPU) -> Trace:
+        """Simulate each candidate rank at ``batch`` once; the one whose step needs more stands for the
+        world from then on (estimator/simulate/distributed: uneven shards)."""
+        b, d = self.built, self.recipe.distributed
+        traces = {r: record_training(b.factory, b.batch_factory, b.loss_fn, batch,
+                                     dataclasses.replace(self.recipe, distributed=d.at(d.world_size, r)), gpu,
+                                     worst_case=b.worst_case) for r in self._ranks or ()}
+        peaks = {r: t.live_peak()[0] for r, t in traces.items()}
+        rank = max(peaks, key=lambda r: (peaks[r], -r))
+        self.recipe = dataclasses.replace(self.recipe, distributed=d.at(d.world_size, rank))
+        self._ranks = [rank]
+        trace = traces[rank]
+        others = ", ".join(f"{peaks[r] / 2**20:.1f} MiB on rank {r}" for r in sorted(peaks) if r != rank)
+        trace.assumptions.append(f"rank {rank} simulated: its step's live peak at batch {batch} is "
+                                 f"{peaks[rank] / 2**20:.1f} MiB ({others}); shards differ between ranks")
+        self.rank_note = trace.assumptions[-1]
+        return trace
+
     def prefetch(self, batch: int, gpu: GPU) -> None:
         """Start the full simulation at ``batch`` in a forked child now (estimator/background.py);
-        ``trace`` collects it, or runs it itself if the child fails."""
+        ``trace`` collects it, or runs it itself if the child fails. Not before the rank a distributed
+        step stands for is known (with uneven shards, the first simulations pick it)."""
+        if len(self._resolve_ranks()) > 1:
+            return
         if background.enabled() and (batch, gpu) not in self._pending:
             self._pending[batch, gpu] = (background.Background(lambda: self._record(batch, gpu)), time.perf_counter())
 

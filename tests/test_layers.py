@@ -22,6 +22,7 @@ LAYERS = [
     ("estimator.models",),
     ("estimator.simulate",),
     ("estimator.sources",),
+    ("estimator.worlds",),
     ("estimator.pipeline",),
     ("estimator.validate", "estimator.cli", "estimator.testing"),
 ]

@@ -56,6 +56,18 @@ class Note:
     message: str
 
 
+@dataclass(frozen=True)
+class Suggestion:
+    """A change to the request with which the smallest batch fits a card that it did not fit, checked
+    by a full simulation."""
+
+    change: Annotated[dict[str, Any], Field(description="request fields (dotted paths) and their new values, "
+                                            "e.g. {'training.gradient_checkpointing': true}")]
+    description: str
+    max_batch_size: Annotated[int | None, Field(description="the largest batch that fits with the change, "
+                                                "when it was searched (else null: the smallest batch fits)")] = None
+
+
 @dataclass(frozen=True, kw_only=True)
 class GPUResult:
     gpu: str
@@ -86,6 +98,16 @@ class GPUResult:
                                              "seq_len that fits at batch_size (or the smallest batch)")] = None
     accumulation: AccumulationPlan | None = None
     learning_rate: LearningRate | None = None
+    world_size: Annotated[int, Field(description="ranks of the data-parallel step (training.distributed); the "
+                                     "batch sizes above are each rank's micro-batch")] = 1
+    global_batch_size: Annotated[int | None, Field(description="recommended_batch_size x world_size x "
+                                                   "training.grad_accumulation_steps")] = None
+    min_world_size: Annotated[int | None, Field(description="with world_size 'auto': the fewest ranks (up to "
+                                                "1024) at which the smallest batch fits this card; null when "
+                                                "not even 1024 do")] = None
+    suggestions: Annotated[list[Suggestion], Field(description="when not even the smallest batch fits one GPU: "
+                                                   "changes with which it fits, cheapest first, each checked by "
+                                                   "a simulation")] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

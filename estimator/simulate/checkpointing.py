@@ -38,7 +38,18 @@ def _block_container(model: torch.nn.Module) -> tuple[str, torch.nn.Module] | No
 
 
 def _blocks(model: torch.nn.Module, mode: bool | str) -> tuple[str, list[tuple[str, torch.nn.Module]]]:
-    """The blocks to wrap, with their qualified names, and a description of where they are.
+    found = find_blocks(model)
+    if found is None:
+        raise SpecError(
+            "training.gradient_checkpointing", mode,
+            "a model with a ModuleList/Sequential of at least 2 blocks, or a transformers model",
+        )
+    return found
+
+
+def find_blocks(model: torch.nn.Module) -> tuple[str, list[tuple[str, torch.nn.Module]]] | None:
+    """The blocks to wrap (checkpointing, FSDP's fully_shard), with their qualified names, and a
+    description of where they are; None when the model has none.
 
     transformers models: the outermost ``GradientCheckpointingLayer`` modules, the layers
     transformers' own checkpointing wraps (an encoder-decoder's encoder and decoder layers
@@ -61,10 +72,7 @@ def _blocks(model: torch.nn.Module, mode: bool | str) -> tuple[str, list[tuple[s
             return "transformers' decoder layers", layers
     found = _block_container(model)
     if found is None:
-        raise SpecError(
-            "training.gradient_checkpointing", mode,
-            "a model with a ModuleList/Sequential of at least 2 blocks, or a transformers model",
-        )
+        return None
     name, container = found
     prefix = f"{name}." if name else ""
     return f"the blocks of '{name or 'model'}'", [(f"{prefix}{n}", b) for n, b in container.named_children()]

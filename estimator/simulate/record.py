@@ -12,6 +12,7 @@ real CUDA or CPU step runs, watched here through ``SimulationHooks``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -110,12 +111,16 @@ class Recorder:
         if aid is not None:
             self.trace.events.append((False, aid))
             self.live_bytes -= self.trace.allocations[aid].nbytes
-        elif old_nbytes:
-            return  # a storage this recorder never saw (made outside the step)
+        elif key not in self.last_aid:
+            if old_nbytes:
+                return  # a storage this recorder never saw (made outside the step)
+            # made empty, filled now: it lives from here on
+            fin = weakref.finalize(storage, self._free, key, -1)
+            fin.atexit = False
         if new_nbytes:
             category = self.key_category.get(key, Category.UNKNOWN)
-            self.live[key] = self._alloc(new_nbytes, "resize_", category)
-            self.last_aid[key] = self.live[key]
+            self.live[key] = aid = self._alloc(new_nbytes, "resize_", category)
+        self.last_aid[key] = aid if aid is not None else -1
 
     def on_op(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None:
         name = func._schema.name.split("::")[-1]
@@ -205,8 +210,8 @@ class Recorder:
         for t in tensors:
             key = t.untyped_storage()._cdata
             self.key_category[key] = category
-            aid = self.live.get(key, self.last_aid.get(key))
-            if aid is not None:
+            aid = self.live.get(key, self.last_aid.get(key, -1))
+            if aid >= 0:
                 self.trace.allocations[aid].category = category
 
     def mark(self, tensors: Any, category: Category) -> None:
@@ -413,14 +418,16 @@ def record_training(
         stack.enter_context(torch.autograd.graph.node_creation_hook(
             lambda node: recorder.node_modules.__setitem__(node._sequence_nr(), recorder.module())))
         if mesh is not None:
-            recorder.trace.assumptions.append(_call(Phase.SETUP, lambda: shard(meta_model, d, mesh), recorder))
+            recorder.trace.assumptions.append(_call(Phase.SETUP, functools.partial(shard, meta_model, d, mesh),
+                                                    recorder))
             model = vgpu.materialize_sharded(meta_model)
         else:
             model = vgpu.materialize(meta_model)
         recorder.mark(model.parameters(), Category.PARAMETER)
         recorder.mark(model.buffers(), Category.BUFFER)
         recorder.trace.unsupported.extend(_unsupported_hooks(model))
-        training = _call(Phase.SETUP, lambda: prepare(model, recipe, vgpu.device, simulated=True), recorder)
+        training = _call(Phase.SETUP, functools.partial(prepare, model, recipe, vgpu.device, simulated=True),
+                         recorder)
         recorder.trace.assumptions.extend(training.notes)
         recorder.params = training.params
         with _ModuleTracker(recorder, model, training.model):

@@ -63,14 +63,15 @@ def process_group(d: Distributed) -> Iterator[None]:
 
 
 def blocks_of(model: torch.nn.Module) -> tuple[str, list[torch.nn.Module]] | None:
-    """The transformer blocks (the largest ModuleList/Sequential's entries), as checkpointing finds them."""
-    from estimator.simulate.checkpointing import _block_container
+    """The transformer blocks as checkpointing finds them (transformers' decoder layers, else the largest
+    ModuleList/Sequential's entries), and where they are."""
+    from estimator.simulate.checkpointing import find_blocks
 
-    found = _block_container(model)
+    found = find_blocks(model)
     if found is None:
         return None
-    name, container = found
-    return name, list(container.children())
+    where, blocks = found
+    return where, [b for _, b in blocks]
 
 
 def mesh_for(d: Distributed, device_type: str) -> Any:
@@ -103,7 +104,7 @@ def shard(model: torch.nn.Module, d: Distributed, mesh: Any) -> str:
     if d.param_dtype or d.reduce_dtype:
         dtypes = f"; compute in {d.param_dtype or 'the parameter dtype'}, gradients reduced in " \
                  f"{d.reduce_dtype or 'the parameter dtype'} (MixedPrecisionPolicy, no autocast)"
-    return (f"fsdp: fully_shard (FSDP2) on each of the {len(blocks)} blocks of '{name or 'model'}' and on the root, "
+    return (f"fsdp: fully_shard (FSDP2) on each of {len(blocks)} blocks ({name}) and on the root, "
             f"over {d.world_size} ranks; gathered parameters {how} (the last block's kept, as torchtitan "
             f"does){dtypes}")
 
@@ -168,6 +169,15 @@ def zero_partition_sizes(model: torch.nn.Module, world_size: int) -> list[int]:
     with process_group(Distributed("zero1", world_size)):
         zero = ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.SGD, lr=0.1)
         return [sum(p.numel() for group in rank for p in group["params"]) for rank in zero._partition_parameters()]
+
+
+def candidate_ranks_of(factory: Any, d: Distributed) -> list[int]:
+    """``candidate_ranks`` of the model ``factory`` builds (on the meta device); [0] for one GPU."""
+    if not d.active or d.world_size == 1 or d.strategy == "ddp":
+        return [0]
+    from estimator.models.meta import build_on_meta
+
+    return candidate_ranks(build_on_meta(factory), d)
 
 
 def candidate_ranks(model: torch.nn.Module, d: Distributed) -> list[int]:

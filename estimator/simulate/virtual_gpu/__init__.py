@@ -354,7 +354,8 @@ class VirtualGPU:
         def resize_(storage, size):
             old = storage.nbytes()
             out = original(storage, size)
-            if storage.device.type == device_type and old != storage.nbytes():
+            # a fake tensor's storage is a meta storage
+            if storage.device.type in (device_type, "meta") and old != storage.nbytes():
                 observer.on_resize(storage, old, storage.nbytes())
             return out
 
