@@ -181,7 +181,7 @@ class Recorder:
         fin = weakref.finalize(storage, self._free, key, aid)
         fin.atexit = False
 
-    def _alloc(self, nbytes: int, op: str, category: Category) -> int:
+    def _alloc(self, nbytes: int, op: str, category: str) -> int:
         aid = len(self.trace.allocations)
         self.trace.allocations.append(Allocation(nbytes, self.phase, self.module(), op, self.iteration, category,
                                                  self.stream()))

@@ -168,7 +168,8 @@ def zero_partition_sizes(model: torch.nn.Module, world_size: int) -> list[int]:
     params = [p for p in model.parameters() if p.requires_grad]
     with process_group(Distributed("zero1", world_size)):
         zero = ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.SGD, lr=0.1)
-        return [sum(p.numel() for group in rank for p in group["params"]) for rank in zero._partition_parameters()]
+        partition = zero._partition_parameters()  # type: ignore[attr-defined]  # torch's own split
+        return [sum(p.numel() for group in rank for p in group["params"]) for rank in partition]
 
 
 def candidate_ranks_of(factory: Any, d: Distributed) -> list[int]:

@@ -79,15 +79,18 @@ class SimulatedDDP(torch.nn.Module):
         self.world_size = d.world_size
         self.gradient_as_bucket_view = d.gradient_as_bucket_view
         self.static_graph = d.static_graph
-        caps = _BucketCapacityConfig.create(d.bucket_cap_mb, None, False)  # DDP's own: the first cap is 1 MiB
+        caps = _BucketCapacityConfig.create(d.bucket_cap_mb, None, False)  # type: ignore[arg-type]  # MiB, float ok  # DDP's own: the first cap is 1 MiB
         self.bucket_bytes_cap = caps.bucket_bytes_cap                      # only when bucket_cap_mb is None
         self.first_bucket_bytes_cap = caps.first_bucket_bytes_cap
         self.forwards = 0
         params = self._params_for_reducer()
         self.parameters_for_reducer = params
-        _sync_module_states(module=module, process_group=dist.group.WORLD, broadcast_bucket_size=BROADCAST_BUCKET_BYTES,
+        world = dist.group.WORLD
+        assert world is not None  # estimator.simulate.distributed.process_group made it
+        _sync_module_states(module=module, process_group=world, broadcast_bucket_size=BROADCAST_BUCKET_BYTES,
                             src=0, params_and_buffers_to_ignore=set(), broadcast_buffers=True)
-        indices, _ = dist._compute_bucket_assignment_by_size(params, [sys.maxsize], [False] * len(params))
+        indices, _ = dist._compute_bucket_assignment_by_size(list[torch.Tensor](params), [sys.maxsize],
+                                                             [False] * len(params))
         self.buckets: list[_Bucket] = []
         self._bucket_of: dict[int, _Bucket] = {}
         self._initialize_buckets([[params[i] for i in bucket] for bucket in reversed(indices)])
@@ -137,7 +140,7 @@ class SimulatedDDP(torch.nn.Module):
         """Reducer::rebuild_buckets: the first backward's ready order, [1 MiB, bucket_cap_mb]."""
         order = self._ready_order
         limits = [self.first_bucket_bytes_cap, self.bucket_bytes_cap]
-        indices, _ = dist._compute_bucket_assignment_by_size(order, limits, [False] * len(order))
+        indices, _ = dist._compute_bucket_assignment_by_size(list[torch.Tensor](order), limits, [False] * len(order))
         self._initialize_buckets([[order[i] for i in bucket] for bucket in indices])
         self.rebuilt = True
         self._ready_order = []
