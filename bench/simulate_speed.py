@@ -1,8 +1,11 @@
 """Wall time of one full simulation (2 iterations) and the simulator's peak RSS.
 
 Cases: resnet50 b64 224px fp32 AdamW on A100-80GB; bert-large b4 s512 fp32;
-a 32-layer 7B LLaMA-style config b1 s4096 bf16 on H100-80GB. Each is timed in
-a warm process (after one small simulation), as a service worker runs it.
+a 32-layer 7B LLaMA-style config b1 s4096 bf16 on H100-80GB; llama-3-8b b2
+s8192 with selective checkpointing, on one H100-80GB (amp-bf16) and as one rank
+of FSDP over 8 (param_dtype bf16, reduce_dtype fp32), whose time should be
+about the single GPU's (one rank is simulated). Each is timed in a warm process
+(after one small simulation), as a service worker runs it.
 """
 
 from __future__ import annotations
@@ -47,13 +50,31 @@ def lm_loss(out, labels):
     return F.cross_entropy(out.logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())
 
 
-def main() -> None:
-    from test_published import batch, bert_large, loss_fn
+def preset(name: str, seq_len: int, training: dict):
+    """A transformers preset through the request path: (factory, batches, loss, recipe)."""
+    from estimator.models import build
+    from estimator.request.adapt import recipe_of
+    from estimator.request.spec import parse_request
 
+    req = parse_request({"model": {"source": "transformers", "preset": name}, "input": {"seq_len": seq_len},
+                         "training": training})
+    b = build(req)
+    return b.factory, b.batch_factory, b.loss_fn, recipe_of(req)
+
+
+def main() -> None:
+    bert = preset("bert-large-uncased", 512, {})
     cases = [
         ("resnet50 b64", resnet50, images, F.cross_entropy, 64, Recipe(), "A100-80GB", 2.0),
-        ("bert-large b4 s512", bert_large, batch, loss_fn, 4, Recipe(), "A100-80GB", 5.0),
+        ("bert-large b4 s512", *bert[:3], 4, bert[3], "A100-80GB", 5.0),
         ("llama-7b b1 s4096 bf16", llama7b, tokens(4096), lm_loss, 1, Recipe(precision="bf16"), "H100-80GB", 20.0),
+    ]
+    one = preset("llama-3-8b", 8192, {"gradient_checkpointing": "selective", "precision": "amp-bf16"})
+    fsdp = preset("llama-3-8b", 8192, {"gradient_checkpointing": "selective", "distributed": {
+        "strategy": "fsdp", "world_size": 8, "fsdp": {"param_dtype": "bf16", "reduce_dtype": "fp32"}}})
+    cases += [
+        ("llama-3-8b b2 s8192 sac", *one[:3], 2, one[3], "H100-80GB", 20.0),
+        ("  fsdp 8, one rank", *fsdp[:3], 2, fsdp[3], "H100-80GB", 20.0),
     ]
     # The first simulation in a process pays for imports and torch's one-time
     # kernel registration; service workers pay it once, at startup.
