@@ -213,8 +213,10 @@ def _table(r) -> None:
     epochs = any(g.epoch_seconds is not None for g in rows)
     accumulated = any(g.accumulation is not None for g in rows)
     advised = any(g.learning_rate is not None for g in rows)
+    ranked = any(g.world_size > 1 or g.min_world_size is not None for g in rows)
     head = (f"{'gpu':<24} {'memory GiB':>10} {'max batch':>10} {'recommended':>12} {'at batch':>9} "
             f"{'device peak GiB':>16} {'at max':>7} {'at rec':>7}")
+    head += f" {'ranks':>6} {'global batch':>13}" if ranked else ""
     head += f" {'step s':>8}" if timed else ""
     head += f" {'epoch s':>9}" if epochs else ""
     head += f" {'micro x steps x ranks':>22}" if accumulated else ""
@@ -225,6 +227,8 @@ def _table(r) -> None:
         line = (f"{g.gpu:<24} {g.capacity_bytes / GIB:>10.1f} {str(g.max_batch_size):>10} "
                 f"{str(g.recommended_batch_size):>12} {m.batch_size:>9} {m.device_peak_bytes / GIB:>16.2f} "
                 f"{_gib(g.max_memory):>7} {_gib(g.recommended_memory):>7}")
+        if ranked:
+            line += f" {g.world_size:>6} {str(g.global_batch_size or '-'):>13}"
         if timed:
             line += f" {'-' if g.step_seconds is None else f'{g.step_seconds:.3f}':>8}"
         if epochs:
@@ -236,6 +240,11 @@ def _table(r) -> None:
         if advised:
             line += f" {'-' if g.learning_rate is None else f'{g.learning_rate.lr:.3g}':>10}"
         print(line + f" {'yes' if m.fits else 'NO':>5}")
+    if ranked:
+        print("batch sizes are per rank (micro-batches); global batch = recommended x ranks x accumulation steps")
+    for g in rows:
+        for s in g.suggestions:
+            print(f"{g.gpu}: fits with {s.description}: {json.dumps(s.change)}")
     lr = next((g.learning_rate for g in rows if g.learning_rate is not None), None)
     if lr is not None:
         print(f"\nlearning rate: {lr.rule} scaling; {lr.why}; warm-up: {lr.warmup}")

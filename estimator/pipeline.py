@@ -219,6 +219,9 @@ def _seq_limit(request: EstimateRequest) -> int:
 def make_profile(request: EstimateRequest, *, built: BuiltModel | None = None,
                  progress: Progress | None = None) -> PortableProfile:
     """The portable profile of the request's model and recipe, for every attention backend the catalog uses."""
+    if request.training.distributed.world_size == "auto":
+        raise SpecError("training.distributed.world_size", "auto", "an integer: a profile holds one world size's "
+                        "traces")
     cards, built, sim, start, warnings = _simulator(request, built, progress)
     steps, first, flops = {}, {}, {}
     for card in list(CATALOG.values()) + cards:
@@ -258,7 +261,8 @@ def estimate_from_profile(profile: PortableProfile, gpus: list[Any] | None = Non
     cards = cards_of(request)
     source = ProfileReplayer(profile, request.planner.reserve_bytes)
     return _answer(source, request, cards, profile.start, profile.model, profile.parameter_count,
-                   profile.request.get("input", {}), list(profile.assumptions), [], t0)
+                   profile.request.get("input", {}), list(profile.assumptions), [], t0,
+                   recipe_of(request).distributed.world_size)
 
 
 def _answer(source: StepSource, request: EstimateRequest, cards: list[GPU], start: int, name: str,

@@ -364,6 +364,9 @@ def _check_distributed(req: EstimateRequest) -> None:
         raise SpecError("training.precision", req.training.precision, "'fp32' with fsdp.param_dtype set: FSDP2 "
                         "casts for compute without autocast, and keeps the sharded parameters and the optimizer "
                         "state in fp32 (torchtitan's recipe)")
+    if req.validate_step and d.strategy != "none":
+        raise SpecError("validate", True, "false with training.distributed: validation runs one real CUDA step "
+                        "on this node, and a distributed step needs all its ranks")
     ranks = req.planner.data_parallel_ranks
     if d.strategy != "none" and ranks != 1 and ranks != d.world_size:
         raise SpecError("planner.data_parallel_ranks", ranks, f"1 or the world size ({d.world_size}) with "
