@@ -173,6 +173,19 @@ def test_fsdp_gathers_and_frees_parameters() -> None:
     assert trace.live_peak()[0] < single.live_peak()[0]
 
 
+def test_fsdp_reshard_after_forward_orders_memory() -> None:
+    """true frees each block's gathered parameters after its forward; 2 keeps them sharded over 2 ranks
+    (half of each block, a second mesh FSDP2 builds itself); false keeps them whole until backward."""
+    peaks = {raf: _trace(Distributed("fsdp", 4, reshard_after_forward=raf), layers=4, width=512).live_peak()[0]
+             for raf in (True, 2, False)}
+    assert peaks[True] < peaks[2] < peaks[False]
+    # false keeps the 3 resharding blocks' parameters gathered through the end of the forward: up to
+    # 3 x (512 x 512 + 512) x 4 B more than true (whose own peak, in backward, holds the block running and
+    # the one FSDP prefetches): more than one block, at most three
+    block = (512 * 512 + 512) * 4
+    assert block < peaks[False] - peaks[True] <= 3 * block
+
+
 def test_fsdp_param_dtype_requires_fp32_precision() -> None:
     with pytest.raises(SpecError, match="training.precision"):
         Recipe(precision="amp-bf16", distributed=Distributed("fsdp", 2, param_dtype="bf16"))

@@ -127,6 +127,18 @@ class _DispatchMode(TorchDispatchMode):
         return out
 
 
+def _outside_modes(original):
+    """``original`` with the virtual GPU's tensor modes off: FSDP2 builds a device mesh for an int
+    reshard_after_forward from the world's (CPU) rank tensor, and the mesh reads it (``tolist``)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    def outside(*args, **kwargs):
+        with _disable_current_modes():
+            return original(*args, **kwargs)
+
+    return outside
+
+
 class _EngineFacade:
     """``Variable._execution_engine`` while simulating: final callbacks go to our engine (FSDP2 and DDP
     queue theirs there); anything else is the C++ engine's."""
@@ -199,6 +211,10 @@ class VirtualGPU:
 
                 name = "_propagate_tensor_meta_non_cached"
                 p.set(ShardingPropagator, name, self._muting(getattr(ShardingPropagator, name)))
+                import torch.distributed.fsdp._fully_shard._fully_shard as fsdp
+
+                name = "_get_post_forward_mesh_info"
+                p.set(fsdp, name, _outside_modes(getattr(fsdp, name)))
             p.set(torch.autograd.function.Function, "apply", self._wrap_function_apply())
             if self.gpu is not None:
                 props = DeviceProperties(
