@@ -8,6 +8,7 @@ GPU would (docs/DESIGN.md, fact 6). Adafactor is ``torch.optim.Adafactor``.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -25,13 +26,20 @@ _CLASSES = {
 _DEFAULT_LR = {"sgd": 0.1, "adagrad": 0.01, "rmsprop": 0.01, "adafactor": 0.01}
 
 
-def build_optimizer(recipe: Recipe, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """``torch.optim`` optimizer for ``recipe.optimizer`` with its memory-relevant options."""
+def optimizer_class_and_kwargs(recipe: Recipe) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+    """The ``torch.optim`` class for ``recipe.optimizer`` and the keyword arguments it is built with
+    (also what a ``ZeroRedundancyOptimizer`` is given, estimator/testing/distributed_truth.py)."""
     cls = _CLASSES[recipe.optimizer]
-    kwargs = {"lr": _DEFAULT_LR.get(recipe.optimizer, 1e-3)}
+    kwargs: dict[str, Any] = {"lr": _DEFAULT_LR.get(recipe.optimizer, 1e-3)}
     kwargs.update({k: v for k, v in recipe.optimizer_kwargs.items() if v is not None})
     if recipe.optimizer == "sgd" and kwargs.get("nesterov") and not kwargs.get("momentum"):
         kwargs["momentum"] = 0.9
+    return cls, kwargs
+
+
+def build_optimizer(recipe: Recipe, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """``torch.optim`` optimizer for ``recipe.optimizer`` with its memory-relevant options."""
+    cls, kwargs = optimizer_class_and_kwargs(recipe)
     try:
         if recipe.distributed.strategy == "zero1":
             from estimator.simulate.distributed import zero_optimizer
