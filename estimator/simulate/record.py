@@ -37,6 +37,7 @@ from estimator.simulate.distributed import (
 )
 from estimator.simulate.step import BatchFactory, LossFn, ModelFactory, StepHooks, cast_model, prepare, run_steps
 from estimator.simulate.virtual_gpu import Shortcuts, VirtualGPU
+from estimator.simulate.virtual_gpu.cpu_conv import CpuConvColumns
 from estimator.simulate.virtual_gpu.cudnn import ASSUMPTION as CUDNN_ASSUMPTION
 from estimator.simulate.virtual_gpu.cudnn import BENCHMARK_ASSUMPTION, COLUMNS, WORKSPACE, ConvWorkspaces
 from estimator.simulate.virtual_gpu.engine import Engine
@@ -57,7 +58,7 @@ _COUNTED_PHASES = frozenset({Phase.FORWARD, Phase.LOSS, Phase.BACKWARD})
 class Recorder:
     """Observes every op on the virtual GPU and records storage lifetimes (the GPU's ``Observer``)."""
 
-    def __init__(self, device_type: str, workspace_bytes: int, convs: ConvWorkspaces | None = None,
+    def __init__(self, device_type: str, workspace_bytes: int, convs: ConvWorkspaces | CpuConvColumns | None = None,
                  every_micro_step: bool = False) -> None:
         self.device_type = device_type
         self.every_micro_step = every_micro_step
@@ -398,8 +399,9 @@ def record_training(
         raise SpecError("model", type(meta_model).__name__, "a factory returning a torch.nn.Module")
     meta_model = cast_model(meta_model, recipe)  # on meta: no allocation
     convs = ConvWorkspaces(gpu.capability, recipe.cudnn_benchmark) if gpu is not None else None
+    columns = CpuConvColumns() if gpu is None else None  # the CPU target's slow kernels' im2col buffers
     recorder = Recorder("cuda" if gpu is not None else "cpu", gpu.cublas_workspace_bytes if gpu is not None else 0,
-                        convs, every_micro_step)
+                        convs or columns, every_micro_step)
     vgpu = VirtualGPU(gpu, observer=recorder, worst_case=WorstCase() if worst_case else None,
                       subclass_like=subclass_like, cpp_engine=cpp_engine, shortcuts=shortcuts,
                       distributed=recipe.distributed.active)

@@ -88,10 +88,7 @@ def shard(model: torch.nn.Module, d: Distributed, mesh: Any) -> str:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     found = blocks_of(model)
-    if found is None:
-        raise SpecError("training.distributed.fsdp.wrap", "blocks", "a model with a ModuleList/Sequential of at "
-                        "least 2 blocks (fully_shard wraps each)")
-    name, blocks = found
+    name, blocks = found if found is not None else ("none found: the root is one unit", [])
     mp = MixedPrecisionPolicy(param_dtype=torch_dtype(d.param_dtype), reduce_dtype=torch_dtype(d.reduce_dtype))
     raf = d.reshard_after_forward
     for i, block in enumerate(blocks):
@@ -104,6 +101,10 @@ def shard(model: torch.nn.Module, d: Distributed, mesh: Any) -> str:
     if d.param_dtype or d.reduce_dtype:
         dtypes = f"; compute in {d.param_dtype or 'the parameter dtype'}, gradients reduced in " \
                  f"{d.reduce_dtype or 'the parameter dtype'} (MixedPrecisionPolicy, no autocast)"
+    if not blocks:
+        return (f"fsdp: fully_shard (FSDP2) on the root only (the model has no ModuleList/Sequential of blocks), "
+                f"over {d.world_size} ranks: all its parameters are gathered for the forward and again for the "
+                f"backward{dtypes}")
     return (f"fsdp: fully_shard (FSDP2) on each of {len(blocks)} blocks ({name}) and on the root, "
             f"over {d.world_size} ranks; gathered parameters {how} (the last block's kept, as torchtitan "
             f"does){dtypes}")
