@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from estimator.errors import SimulationError, SpecError
+from estimator.errors import SimulationError
 from estimator.request.recipe import Distributed
 
 # NCCL's docs (Environment Variables, NCCL_BUFFSIZE): "default is 4194304 (4 MiB)" per channel and peer,
