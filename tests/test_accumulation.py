@@ -257,10 +257,12 @@ class PerBatch:
 
 
 def _timed_fields(data: dict) -> dict:
-    """A response's JSON without what scales with N (FLOPs, step and epoch time) or says N (assumptions)."""
+    """A response's JSON without what scales with N (FLOPs, step and epoch time, the global batch) or says N
+    (assumptions)."""
     data = {k: copy.deepcopy(v) for k, v in data.items() if k not in ("flops_per_sample", "assumptions", "provenance")}
     for result in data["results"]:
         result.pop("step_seconds")
+        result.pop("global_batch_size")
         for point in result["curve"]:
             point.pop("step_seconds")
     return data
@@ -285,6 +287,7 @@ def test_an_estimate_of_4096_micro_steps_answers_as_one_of_6(monkeypatch) -> Non
     assert long["flops_per_sample"] * 6 == six["flops_per_sample"] * 4096  # the same in every micro-step
     for a, b in zip(long["results"], six["results"], strict=True):
         assert a["step_seconds"] == pytest.approx(b["step_seconds"] * 4096 / 6)
+        assert a["global_batch_size"] == a["recommended_batch_size"] * 4096
     assert any(line.startswith("grad accumulation: 3 of 4096 micro-steps simulated") for line in long["assumptions"])
 
 
