@@ -38,7 +38,7 @@ from estimator.request.spec import EstimateRequest, parse_request
 from estimator.simulate.record import record_training
 from estimator.simulate.step import BatchFactory, LossFn, ModelFactory
 from estimator.sources import CHECK_OFFSET, ProfileReplayer, Progress, Simulator
-from estimator.worlds import Worlds, suggestions
+from estimator.worlds import Suggester, Worlds
 
 
 def estimate(request: EstimateRequest, *, built: BuiltModel | None = None, progress: Progress | None = None,
@@ -85,53 +85,70 @@ def _estimate_auto(request: EstimateRequest, built: BuiltModel | None, progress:
     worlds = Worlds(built, request, progress)
     warnings: list[Note] = []
     start = _smallest_batch(worlds.sim(1), cards[0], warnings)
-    chosen = {card.name: worlds.min_world(card, start) for card in cards}
-    groups: dict[int, list[GPU]] = {}
-    for card in cards:
-        groups.setdefault(chosen[card.name] or MAX_WORLD_SIZE, []).append(card)
-    parts = {w: _answer(worlds.sim(w), request, group, start, built.name, built.parameter_count, built.input,
-                        list(built.assumptions), list(warnings), t0, w) for w, group in groups.items()}
-    by_card = {r.gpu: (w, r) for w, part in parts.items() for r in part.results}
-    results = [dataclasses.replace(by_card[c.name][1], min_world_size=chosen[c.name]) for c in cards]
-    first = parts[chosen[cards[0].name] or MAX_WORLD_SIZE]
+    if request.batch_size is not None and request.batch_size < start:
+        raise SpecError("batch_size", request.batch_size, f"at least {start}")
+    at = request.batch_size or start  # the fewest ranks at which this batch fits
+    strategy = request.training.distributed.strategy
+    chosen = [worlds.min_world(card, at) for card in cards]
+    # a card no world fits is answered at the largest world tried (one rank for DDP, which shards nothing)
+    unfit = 1 if strategy == "ddp" else MAX_WORLD_SIZE
+    groups: dict[int, list[int]] = {}
+    for i, world in enumerate(chosen):
+        groups.setdefault(world or unfit, []).append(i)
+    parts = {w: _answer(worlds.sim(w), request, [cards[i] for i in members], start, built.name,
+                        built.parameter_count, built.input, list(built.assumptions), list(warnings), t0, w)
+             for w, members in groups.items()}
+    results: list[GPUResult | None] = [None] * len(cards)
+    for w, members in groups.items():
+        for i, result in zip(members, parts[w].results, strict=True):
+            results[i] = dataclasses.replace(result, min_world_size=chosen[i])
+    first = parts[chosen[0] or unfit]
     assumptions: list[str] = []
     notes: list[Note] = []
     for part in parts.values():
         assumptions.extend(a for a in part.assumptions if a not in assumptions)
         notes.extend(n for n in part.warnings if n not in notes)
     assumptions.append(f"world_size 'auto': per card the fewest ranks (1 to {MAX_WORLD_SIZE}) at which batch "
-                       f"{start} fits, found by doubling then bisection on full simulations of one rank")
-    for card in cards:
-        if chosen[card.name] is None:
-            notes.append(Note(WarningCode.DOES_NOT_FIT, f"{built.name} does not fit on {card.name} even over "
-                              f"{MAX_WORLD_SIZE} ranks of {request.training.distributed.strategy}"))
+                       f"{at} fits, found by doubling then bisection on full simulations of one rank"
+                       + ("; DDP keeps the whole step on every rank, so only one rank is tried" if strategy == "ddp"
+                          else ""))
+    for card, world in zip(cards, chosen, strict=True):
+        if world is None:
+            notes = [n for n in notes if not (n.code == WarningCode.DOES_NOT_FIT and n.message.endswith(
+                f" on {card.name} even at batch {start}"))]
+            across = "on one rank: DDP keeps the whole step on every rank" if strategy == "ddp" else \
+                f"over {MAX_WORLD_SIZE} ranks of {strategy}"
+            notes.append(Note(WarningCode.DOES_NOT_FIT, f"{built.name} does not fit on {card.name} at batch {at} "
+                              f"even {across}"))
     provenance = dataclasses.replace(first.provenance, simulations=worlds.simulations,
                                      seconds=round(time.perf_counter() - t0, 3))
-    return dataclasses.replace(first, results=results, assumptions=assumptions, warnings=notes,
-                               provenance=provenance)
+    return dataclasses.replace(first, results=[r for r in results if r is not None], assumptions=assumptions,
+                               warnings=notes, provenance=provenance)
 
 
 def _with_suggestions(response: EstimateResponse, request: EstimateRequest, built: BuiltModel, recipe: Recipe,
                       cards: list[GPU], start: int) -> EstimateResponse:
     """A single-GPU answer whose smallest batch does not fit some card, with what would make it fit
-    (``estimator.worlds.suggestions``): each checked by a simulation."""
-    results, warnings, runs = [], list(response.warnings), 0
+    (``estimator.worlds.Suggester``): each checked by a simulation."""
+    if all(r.max_batch_size is not None for r in response.results):
+        return response
+    results, warnings = [], list(response.warnings)
+    suggester = Suggester(built, request, recipe, start)  # its simulations shared by the cards
     for card, result in zip(cards, response.results, strict=True):
         if result.max_batch_size is not None:
             results.append(result)
             continue
-        found, n = suggestions(built, request, recipe, card, start)
-        runs += n
+        found = suggester.for_card(card)
         results.append(dataclasses.replace(result, suggestions=found))
+        unfit = f"{built.name} does not fit on {card.name} even at batch {start}"
         if found:
             for i, w in enumerate(warnings):
-                if w.code == WarningCode.DOES_NOT_FIT and card.name in w.message:
-                    warnings[i] = Note(w.code, f"{w.message}; it fits with {found[0].description.split(':')[0]}"
-                                       + (f" (or: {'; '.join(s.description.split(':')[0] for s in found[1:])})"
+                if w.code == WarningCode.DOES_NOT_FIT and w.message == unfit:
+                    warnings[i] = Note(w.code, f"{w.message}; it fits with {found[0].description}"
+                                       + (f" (or: {'; '.join(s.description for s in found[1:])})"
                                           if len(found) > 1 else ""))
-    if not runs:
-        return response
-    provenance = dataclasses.replace(response.provenance, simulations=response.provenance.simulations + runs)
+    provenance = dataclasses.replace(response.provenance,
+                                     simulations=response.provenance.simulations + suggester.simulations)
     return dataclasses.replace(response, results=results, warnings=warnings, provenance=provenance)
 
 
@@ -278,6 +295,7 @@ def _answer(source: StepSource, request: EstimateRequest, cards: list[GPU], star
     distributed = request.training.distributed.strategy != "none"
     options = advice_options(request, resolved_input, world_size if distributed else None)
     steps = request.training.grad_accumulation_steps
+    ranks = world_size if distributed else plan.data_parallel_ranks  # the global batch's ranks
     gap = 2  # the headroom searches', as in the max's replay searches
     for card, (best, how) in zip(cards, answers, strict=True):
         at = request.batch_size or best or start
@@ -301,7 +319,7 @@ def _answer(source: StepSource, request: EstimateRequest, cards: list[GPU], star
             recommended_batch_size=rec, search=how, memory=report,
             max_memory=None if best is None else source.report_fast(best, card),
             recommended_memory=None if rec is None else source.report_fast(rec, shrunk),
-            world_size=world_size, global_batch_size=None if rec is None else rec * world_size * steps,
+            world_size=world_size, global_batch_size=None if rec is None else rec * ranks * steps,
             **vars(advice)))
         shown = shown or report
     assert shown is not None  # a request names at least one card

@@ -66,7 +66,8 @@ class Simulator(ReplayCache):
         self._pending: dict[tuple, tuple[background.Background, float]] = {}  # prefetched traces being simulated
         self._probe: Trace | None = None  # any trace: what the step asks of a card
         self._ranks: list[int] | None = None  # distributed: the ranks that may need the most (one once known)
-        self.rank_note: str | None = None
+        self.rank_note: str | None = None  # which rank stands for the world, and why (every trace's assumption)
+        self.extra_simulations = 0  # the other candidate ranks' simulations
 
     def signature(self, gpu: GPU) -> tuple:
         probe = self._probe
@@ -78,14 +79,20 @@ class Simulator(ReplayCache):
         b = self.built
         if len(self._resolve_ranks()) > 1:
             return self._pick_rank(batch, gpu)
-        return record_training(b.factory, b.batch_factory, b.loss_fn, batch, self.recipe, gpu,
-                               worst_case=b.worst_case)
+        trace = record_training(b.factory, b.batch_factory, b.loss_fn, batch, self.recipe, gpu,
+                                worst_case=b.worst_case)
+        if self.rank_note is not None:
+            trace.assumptions.append(self.rank_note)
+        return trace
 
     def _resolve_ranks(self) -> list[int]:
         """The ranks a distributed step may need the most on; with one, the recipe stands for it."""
         if self._ranks is None:
             d = self.recipe.distributed
             self._ranks = candidate_ranks_of(self.built.factory, d)
+            if len(self._ranks) == 1 and d.strategy == "zero1" and d.world_size > 1:
+                self.rank_note = (f"rank {self._ranks[0]} of {d.world_size} simulated: its ZeroRedundancyOptimizer "
+                                  "partition holds the most parameters, so the most optimizer state")
             if len(self._ranks) == 1 and self._ranks[0] != d.rank:
                 self.recipe = dataclasses.replace(self.recipe, distributed=d.at(d.world_size, self._ranks[0]))
         return self._ranks
@@ -101,11 +108,12 @@ class Simulator(ReplayCache):
         rank = max(peaks, key=lambda r: (peaks[r], -r))
         self.recipe = dataclasses.replace(self.recipe, distributed=d.at(d.world_size, rank))
         self._ranks = [rank]
+        self.extra_simulations += len(traces) - 1
         trace = traces[rank]
         others = ", ".join(f"{peaks[r] / 2**20:.1f} MiB on rank {r}" for r in sorted(peaks) if r != rank)
-        trace.assumptions.append(f"rank {rank} simulated: its step's live peak at batch {batch} is "
-                                 f"{peaks[rank] / 2**20:.1f} MiB ({others}); shards differ between ranks")
-        self.rank_note = trace.assumptions[-1]
+        self.rank_note = (f"rank {rank} of {d.world_size} simulated: its step's live peak at batch {batch} is "
+                          f"{peaks[rank] / 2**20:.1f} MiB ({others}); FSDP's shards differ between ranks")
+        trace.assumptions.append(self.rank_note)
         return trace
 
     def prefetch(self, batch: int, gpu: GPU) -> None:
@@ -224,7 +232,7 @@ class Simulator(ReplayCache):
 
     @property
     def simulations(self) -> int:
-        return len(self.traces)
+        return len(self.traces) + self.extra_simulations
 
     def backend_key(self, gpu: GPU) -> str:
         """The attention backends the step's SDPA calls get on ``gpu``, as a profile key."""

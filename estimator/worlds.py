@@ -77,43 +77,46 @@ class Worlds:
         return sum(s.simulations for s in self.sims.values())
 
 
-def suggestions(built: BuiltModel, request: EstimateRequest, recipe: Recipe, card: GPU, batch: int,
-                progress: Progress | None = None) -> tuple[list[Suggestion], int]:
-    """Changes with which ``batch`` fits ``card`` when the request's single-GPU step does not, cheapest
-    first, each checked by a full simulation; and the simulations run. The order: gradient checkpointing
-    (recomputes the forward, about a third more compute), pure bf16 (half the bytes of every state), an
-    optimizer without state (SGD without momentum), then FSDP over the fewest ranks that fit."""
-    out: list[Suggestion] = []
-    runs = 0
-    tries: list[tuple[dict[str, Any], str, Recipe]] = []
-    if not recipe.gradient_checkpointing:
-        tries.append(({"training.gradient_checkpointing": True}, "gradient checkpointing",
-                      dataclasses.replace(recipe, gradient_checkpointing=True)))
-    if recipe.precision != "bf16":
-        tries.append(({"training.precision": "bf16"}, "pure bf16 (weights, gradients and optimizer state)",
-                      dataclasses.replace(recipe, precision="bf16")))
-    stateless = recipe.optimizer == "sgd" and not recipe.optimizer_kwargs.get("momentum")
-    if not stateless:
-        tries.append(({"training.optimizer": {"name": "sgd"}}, "SGD without momentum (no optimizer state)",
-                      dataclasses.replace(recipe, optimizer="sgd", optimizer_kwargs={})))
-    for change, text, changed in tries:
-        sim = Simulator(built, changed, progress, request.planner.reserve_bytes)
-        try:
-            fits = sim.report(batch, card).fits
-        except SpecError:
-            fits = False  # not applicable to this model (no blocks to checkpoint)
-        runs += sim.simulations
-        if fits:
-            out.append(Suggestion(change, f"{text}: batch {batch} fits {card.name}"))
-    fsdp = dataclasses.replace(recipe, distributed=Distributed("fsdp", 1))
-    worlds = Worlds(built, request, progress, fsdp)
-    try:
-        world = worlds.min_world(card, batch, least=2)  # one rank is the step that did not fit
-    except SpecError:
-        world = None  # fully_shard needs blocks to wrap
-    runs += worlds.simulations
-    if world is not None:
-        out.append(Suggestion({"training.distributed.strategy": "fsdp", "training.distributed.world_size": world},
-                              f"FSDP (fully_shard per block) over {world} ranks: batch {batch} fits each rank's "
-                              f"{card.name}"))
-    return out, runs
+class Suggester:
+    """Changes with which the smallest batch fits a card that a single-GPU request's step does not fit,
+    cheapest first, each checked by a full simulation. The order: gradient checkpointing (recomputes the
+    forward, about a third more compute), pure bf16 (half the bytes of every state), an optimizer without
+    state (SGD without momentum), then FSDP over the fewest ranks that fit. The simulators are shared by
+    the cards (cards that simulate alike share traces)."""
+
+    def __init__(self, built: BuiltModel, request: EstimateRequest, recipe: Recipe, batch: int,
+                 progress: Progress | None = None) -> None:
+        self.batch = batch
+        reserve = request.planner.reserve_bytes
+        tries: list[tuple[dict[str, Any], str, Recipe]] = []
+        if not recipe.gradient_checkpointing:
+            tries.append(({"training.gradient_checkpointing": True}, "gradient checkpointing",
+                          dataclasses.replace(recipe, gradient_checkpointing=True)))
+        if recipe.precision != "bf16":
+            tries.append(({"training.precision": "bf16"}, "pure bf16 (weights, gradients and optimizer state)",
+                          dataclasses.replace(recipe, precision="bf16")))
+        if not (recipe.optimizer == "sgd" and not recipe.optimizer_kwargs.get("momentum")):
+            tries.append(({"training.optimizer": {"name": "sgd"}}, "SGD without momentum (no optimizer state)",
+                          dataclasses.replace(recipe, optimizer="sgd", optimizer_kwargs={})))
+        self.tries = [(change, text, Simulator(built, changed, progress, reserve)) for change, text, changed in tries]
+        fsdp = dataclasses.replace(recipe, distributed=Distributed("fsdp", 1))
+        self.worlds = Worlds(built, request, progress, fsdp)
+
+    def for_card(self, card: GPU) -> list[Suggestion]:
+        out: list[Suggestion] = []
+        for change, text, sim in self.tries:
+            try:
+                fits = sim.report(self.batch, card).fits
+            except SpecError:
+                fits = False  # not applicable to this model (no blocks to checkpoint)
+            if fits:
+                out.append(Suggestion(change, text))
+        world = self.worlds.min_world(card, self.batch, least=2)  # one rank is the step that did not fit
+        if world is not None:
+            out.append(Suggestion({"training.distributed.strategy": "fsdp", "training.distributed.world_size": world},
+                                  f"FSDP (fully_shard per block) over {world} ranks"))
+        return out
+
+    @property
+    def simulations(self) -> int:
+        return sum(sim.simulations for _, _, sim in self.tries) + self.worlds.simulations

@@ -6,8 +6,6 @@ pools, and the planner's world sizes. Real multi-process CPU runs are in tests/t
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -190,9 +188,12 @@ def test_fsdp_param_dtype_requires_fp32_precision() -> None:
     with pytest.raises(SpecError, match="training.precision"):
         Recipe(precision="amp-bf16", distributed=Distributed("fsdp", 2, param_dtype="bf16"))
     trace = _trace(Distributed("fsdp", 2, param_dtype="bf16", reduce_dtype="fp32"), layers=2, width=256)
-    # the gathered parameters are bf16 copies: a block weight 256 x 256 x 2 B
-    gathered = {a.nbytes for a in trace.allocations if a.category == Category.PARAMETER and a.phase == "forward"}
-    assert 256 * 256 * 2 in gathered or 256 * 256 * 2 + 256 * 2 in gathered
+    # the gathered parameters are bf16: a block's weight (256 x 256) and bias (256), 2 B each, are gathered
+    # as one buffer each (FSDP's all_gather_outputs per parameter): 131,072 and 512 B, not fp32's 262,144
+    gathered = sorted({a.nbytes for a in trace.allocations if a.category == Category.PARAMETER
+                       and a.phase == Phase.FORWARD})
+    assert 256 * 256 * 2 in gathered and 256 * 2 in gathered
+    assert 256 * 256 * 4 not in gathered
 
 
 # --- ZeRO-1 ---------------------------------------------------------------------------------------------
@@ -236,6 +237,19 @@ def test_one_gpu_trace_has_no_streams() -> None:
     assert _trace(Distributed(), layers=2, width=64).streams() is None
 
 
+def test_a_distributed_simulation_puts_torch_back() -> None:
+    stream, event, engine = torch.cuda.Stream, torch.cuda.Event, torch.autograd.Variable._execution_engine
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    propagate = ShardingPropagator.__dict__["_propagate_tensor_meta_non_cached"]
+    _trace(Distributed("fsdp", 2), layers=2, width=64)
+    _trace(Distributed("ddp", 2), layers=2, width=64)
+    assert (torch.cuda.Stream, torch.cuda.Event, torch.autograd.Variable._execution_engine) == (stream, event, engine)
+    assert "resize_" not in torch.UntypedStorage.__dict__
+    assert ShardingPropagator.__dict__["_propagate_tensor_meta_non_cached"] is propagate
+    assert not dist.is_initialized()
+
+
 # --- the request ----------------------------------------------------------------------------------------
 
 _MODEL = {"source": "torchvision", "name": "resnet18"}
@@ -251,6 +265,8 @@ _MODEL = {"source": "torchvision", "name": "resnet18"}
     ({"strategy": "fsdp", "world_size": 0}, "training.distributed.world_size"),
     ({"strategy": "pipeline"}, "training.distributed.strategy"),
     ({"strategy": "ddp", "ddp": {"bucket_cap_mb": 0}}, "training.distributed.ddp.bucket_cap_mb"),
+    ({"strategy": "fsdp", "world_size": "auto", "fsdp": {"reshard_after_forward": 2}},
+     "training.distributed.fsdp.reshard_after_forward"),
 ])
 def test_bad_distributed_requests_name_the_field(distributed: dict, field: str) -> None:
     with pytest.raises(SpecError) as err:
@@ -274,8 +290,10 @@ def test_param_dtype_needs_fp32_and_ranks_agree() -> None:
 def test_distributed_recipe_rules() -> None:
     with pytest.raises(SpecError):
         Distributed("fsdp", 4, rank=4)
-    assert Distributed("fsdp", 8, reshard_after_forward=4).at(6).reshard_after_forward is True
-    assert dataclasses.replace(Distributed("ddp", 2), world_size=3).world_size == 3
+    with pytest.raises(SpecError, match="reshard_after_forward"):  # 4 does not divide 6
+        Distributed("fsdp", 8, reshard_after_forward=4).at(6)
+    moved = Distributed("ddp", 2, gradient_as_bucket_view=True).at(3, rank=2)
+    assert (moved.world_size, moved.rank, moved.gradient_as_bucket_view) == (3, 2, True)
 
 
 # --- the planner ----------------------------------------------------------------------------------------
@@ -301,22 +319,28 @@ def test_world_size_auto_finds_the_fewest_ranks() -> None:
     (less its 450 MiB context and the 256 MiB reserve) cannot hold it on one rank, but can once FSDP
     shards it. The answer is checked around: one rank fewer does not fit."""
     card = {"name": "small-card", "memory_bytes": int(2.5 * 2**30), "compute_capability": "8.0"}
-    request = parse_request({"model": _GPT2, "input": {"seq_len": 32}, "gpus": [card],
+    request = parse_request({"model": _GPT2, "input": {"seq_len": 32}, "gpus": [card, "A100-80GB", card],
                              "training": {"distributed": {"strategy": "fsdp", "world_size": "auto"}},
                              "planner": {"curve_points": 0}})
     response = estimate(request)
+    # the cards in the request's order, each with its own world (a card named twice, twice)
+    assert [g.gpu for g in response.results] == ["small-card", "A100-80GB", "small-card"]
+    assert response.results[1].min_world_size == 1 and response.results[1].world_size == 1
+    assert response.results[0] == response.results[2]
     r = response.results[0]
     assert r.min_world_size is not None and r.min_world_size > 1
     assert r.world_size == r.min_world_size and r.max_batch_size is not None
     fewer = estimate(parse_request({**request.model_dump(mode="json", by_alias=True, exclude_none=True),
-                                    "training": {"distributed": {"strategy": "fsdp",
-                                                                 "world_size": r.min_world_size - 1}}}))
+                                    "gpus": [card], "training": {"distributed": {
+                                        "strategy": "fsdp", "world_size": r.min_world_size - 1}}}))
     assert fewer.results[0].max_batch_size is None
 
 
 def test_single_gpu_that_does_not_fit_gets_checked_suggestions() -> None:
     card = {"name": "small-card", "memory_bytes": int(2.5 * 2**30), "compute_capability": "8.0"}
-    request = parse_request({"model": _GPT2, "input": {"seq_len": 32}, "gpus": [card],
+    # a second card whose name contains the first's: each warning names its own card's fix, once
+    longer = {**card, "name": "small-card-2"}
+    request = parse_request({"model": _GPT2, "input": {"seq_len": 32}, "gpus": [card, longer],
                              "planner": {"curve_points": 0}})
     response = estimate(request)
     r = response.results[0]
@@ -324,9 +348,12 @@ def test_single_gpu_that_does_not_fit_gets_checked_suggestions() -> None:
     changes = [s.change for s in r.suggestions]
     assert {"training.precision": "bf16"} in changes
     assert any(c.get("training.distributed.strategy") == "fsdp" for c in changes)
-    assert any("it fits with" in w.message for w in response.warnings if w.code == "does-not-fit")
-    # each suggestion really fits: apply the first and simulate
+    unfit = [w.message for w in response.warnings if w.code == "does-not-fit"]
+    assert len(unfit) == 2 and all(m.count("it fits with") == 1 for m in unfit)
+    assert response.results[1].suggestions == r.suggestions  # alike cards: the same checked changes
+    # the FSDP suggestion really fits: apply it and simulate
     world = next(c for c in changes if "training.distributed.world_size" in c)["training.distributed.world_size"]
     checked = estimate(parse_request({**request.model_dump(mode="json", by_alias=True, exclude_none=True),
-                                      "training": {"distributed": {"strategy": "fsdp", "world_size": world}}}))
+                                      "gpus": [card], "training": {"distributed": {"strategy": "fsdp",
+                                                                                   "world_size": world}}}))
     assert checked.results[0].max_batch_size is not None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -148,3 +150,26 @@ def test_cpu_prediction_matches_real_ranks_of_four(world4, name: str, strategy: 
     chosen = candidate_ranks(build_on_meta(ZOO[name][0]), Distributed(strategy, 4))
     heaviest = max(range(4), key=lambda r: ranks[r].peak_without_backend)
     assert ranks[heaviest].peak_without_backend == max(ranks[r].peak_without_backend for r in chosen)
+
+
+_OPTIONS = [  # (model, strategy, Job options): the strategies' options, and a model with buffers (batch norm)
+    ("resnet18", "ddp", {}),  # DDP broadcasts the buffers before every forward (broadcast_buffers)
+    ("gpt2", "ddp", {"gradient_as_bucket_view": True}),
+    ("mlp", "ddp", {"bucket_cap_mb": 0.1}),
+    ("gpt2", "fsdp", {"reshard_after_forward": False}),
+]
+
+
+@pytest.fixture(scope="module")
+def world2_options() -> list[list[dt.RankPeak]]:
+    return dt.real_distributed_runs([dt.Job(name, ADAMW, s, **kw) for name, s, kw in _OPTIONS], 2)
+
+
+@pytest.mark.parametrize("case", range(len(_OPTIONS)), ids=[f"{n}-{s}-{kw}" for n, s, kw in _OPTIONS])
+def test_cpu_prediction_matches_real_ranks_with_options(world2_options, case: int) -> None:
+    name, strategy, kw = _OPTIONS[case]
+    d = Distributed(strategy, 2, **kw)  # type: ignore[arg-type]
+    for rank, measured in enumerate(world2_options[case]):
+        predicted = _predicted(name, dataclasses.replace(d, rank=rank))
+        real = measured.peak_without_backend
+        assert abs(predicted - real) <= 0.01 * real, (rank, predicted, real)

@@ -63,9 +63,8 @@ class Suggestion:
 
     change: Annotated[dict[str, Any], Field(description="request fields (dotted paths) and their new values, "
                                             "e.g. {'training.gradient_checkpointing': true}")]
-    description: str
-    max_batch_size: Annotated[int | None, Field(description="the largest batch that fits with the change, "
-                                                "when it was searched (else null: the smallest batch fits)")] = None
+    description: Annotated[str, Field(description="the change in words, e.g. 'FSDP (fully_shard per block) "
+                                      "over 4 ranks'; with it the smallest batch fits the card")]
 
 
 @dataclass(frozen=True, kw_only=True)

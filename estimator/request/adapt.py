@@ -33,7 +33,7 @@ def distributed_of(request: EstimateRequest, world_size: int | None = None) -> D
         gradient_as_bucket_view=d.ddp.gradient_as_bucket_view, static_graph=d.ddp.static_graph,
         reshard_after_forward=d.fsdp.reshard_after_forward, param_dtype=d.fsdp.param_dtype,
         reduce_dtype=d.fsdp.reduce_dtype,
-    ).at(world_size)
+    )
 
 
 def cards_of(request: EstimateRequest) -> list[GPU]:

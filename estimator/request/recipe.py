@@ -103,10 +103,7 @@ class Distributed:
         """The same strategy over ``world_size`` ranks, as ``rank`` sees it."""
         from dataclasses import replace
 
-        raf = self.reshard_after_forward
-        if not isinstance(raf, bool) and (raf > world_size or world_size % raf):
-            raf = True  # an int that does not divide the new world: reshard fully
-        return replace(self, world_size=world_size, rank=rank, reshard_after_forward=raf)
+        return replace(self, world_size=world_size, rank=rank)
 
     def describe(self) -> str:
         if not self.active:

@@ -349,15 +349,19 @@ def _check_distributed(req: EstimateRequest) -> None:
         if d.world_size != 1:
             raise SpecError(f"{path}.world_size", d.world_size, "1 with strategy 'none' (name a strategy: ddp, "
                             "fsdp or zero1)")
-    if "fsdp" in d.model_fields_set and d.strategy != "fsdp":
+    # options other than the defaults only for their strategy (a dumped request, a profile's, names them all)
+    if d.fsdp != FSDPSpec() and d.strategy != "fsdp":
         raise SpecError(f"{path}.fsdp", d.fsdp.model_dump(), f"no fsdp options with strategy '{d.strategy}'")
-    if "ddp" in d.model_fields_set and d.strategy not in ("ddp", "zero1"):
+    if d.ddp != DDPSpec() and d.strategy not in ("ddp", "zero1"):
         raise SpecError(f"{path}.ddp", d.ddp.model_dump(), f"no ddp options with strategy '{d.strategy}'")
     raf = d.fsdp.reshard_after_forward
     if not isinstance(raf, bool):
         if raf < 1:
             raise SpecError(f"{path}.fsdp.reshard_after_forward", raf, "true, false or an integer >= 1")
-        if isinstance(d.world_size, int) and (raf > d.world_size or d.world_size % raf):
+        if d.world_size == "auto":
+            raise SpecError(f"{path}.fsdp.reshard_after_forward", raf, "true or false with world_size 'auto' (an "
+                            "integer must divide the world size, which the search varies)")
+        if raf > d.world_size or d.world_size % raf:
             raise SpecError(f"{path}.fsdp.reshard_after_forward", raf,
                             f"true, false, or a divisor of world_size ({d.world_size})")
     if d.fsdp.param_dtype is not None and req.training.precision != "fp32":
@@ -369,8 +373,9 @@ def _check_distributed(req: EstimateRequest) -> None:
                         "on this node, and a distributed step needs all its ranks")
     ranks = req.planner.data_parallel_ranks
     if d.strategy != "none" and ranks != 1 and ranks != d.world_size:
-        raise SpecError("planner.data_parallel_ranks", ranks, f"1 or the world size ({d.world_size}) with "
-                        "training.distributed: the world size is the data-parallel ranks")
+        expected = "1 with world_size 'auto'" if d.world_size == "auto" else f"1 or the world size ({d.world_size})"
+        raise SpecError("planner.data_parallel_ranks", ranks, f"{expected} with training.distributed: the world "
+                        "size is the data-parallel ranks")
 
 
 def _check_json(value: Any, path: str, depth: int) -> None:

@@ -128,6 +128,14 @@ class SimulatedDDP(torch.nn.Module):
 
     # --- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        buffers = list(self.module.buffers())
+        if buffers and torch.is_grad_enabled():
+            # _pre_forward -> _sync_buffers (broadcast_buffers, on by default): rank 0's buffers broadcast,
+            # flattened into 250 MiB chunks (DistributedDataParallel._default_broadcast_coalesced)
+            group = dist.group.WORLD
+            assert group is not None
+            with torch.no_grad():
+                dist._broadcast_coalesced(group, buffers, BROADCAST_BUCKET_BYTES, 0)
         if torch.is_grad_enabled():
             self.forwards += 1
             # _pre_forward -> _rebuild_buckets: at the second forward; with static_graph the first backward's

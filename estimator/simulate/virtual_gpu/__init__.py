@@ -108,7 +108,7 @@ class _DispatchMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if any(issubclass(t, torch.Tensor) and t not in _PLAIN for t in types) and any(
+        if self.vgpu.distributed and any(issubclass(t, torch.Tensor) and t not in _PLAIN for t in types) and any(
                 is_traceable_wrapper_subclass(x) for x in tree_leaves((args, kwargs))):
             # a DTensor's op: DTensor runs it on its local tensors, which come back here one by one
             return NotImplemented
