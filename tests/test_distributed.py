@@ -6,6 +6,8 @@ pools, and the planner's world sizes. Real multi-process CPU runs are in tests/t
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -357,3 +359,19 @@ def test_single_gpu_that_does_not_fit_gets_checked_suggestions() -> None:
                                       "gpus": [card], "training": {"distributed": {"strategy": "fsdp",
                                                                                    "world_size": world}}}))
     assert checked.results[0].max_batch_size is not None
+
+
+def test_affine_traces_and_profiles_keep_streams() -> None:
+    """An FSDP step's affine trace keeps each allocation's stream through JSON (a profile), its replay uses
+    them, and a trace on other streams is not the same program."""
+    from estimator.plan.affine import fit, from_json
+
+    d = Distributed("fsdp", 2)
+    t1, t2 = _trace(d, layers=2, width=64, batch=2), _trace(d, layers=2, width=64, batch=3)
+    affine = fit([(2, t1), (3, t2)])
+    assert affine is not None and affine.streams == t1.streams() and max(affine.streams or [0]) > 0
+    again = from_json(affine.to_json())
+    assert again.streams == affine.streams and again.matches(t2, 3)
+    assert {e.stream for e in again.events_at(3, 0)} == set(affine.streams or [])
+    moved = dataclasses.replace(affine, streams=[0] * len(affine.const))
+    assert not moved.matches(t2, 3)

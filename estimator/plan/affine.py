@@ -24,7 +24,7 @@ from typing import Any
 from estimator.replay.allocator import Event
 from estimator.trace import SOFT_CATEGORIES, Category, Trace
 
-SCHEMA_VERSION = 2  # 2: cuDNN workspaces (soft allocations), empty_cache, capability thresholds
+SCHEMA_VERSION = 3  # 2: cuDNN workspaces (soft allocations), empty_cache, capability thresholds; 3: streams
 
 
 @dataclass(frozen=True)
