@@ -67,7 +67,6 @@ class _Bucket:
             flat = self.gradients.narrow(0, offset, n)
             self.views[id(p)] = flat.as_strided(p.size(), p.stride()) if p.is_contiguous() else flat.view(p.size())
             offset += n
-        self.pending = len(params)
 
 
 class SimulatedDDP(torch.nn.Module):
@@ -79,12 +78,12 @@ class SimulatedDDP(torch.nn.Module):
         self.world_size = d.world_size
         self.gradient_as_bucket_view = d.gradient_as_bucket_view
         self.static_graph = d.static_graph
-        caps = _BucketCapacityConfig.create(d.bucket_cap_mb, None, False)  # type: ignore[arg-type]  # MiB, float ok  # DDP's own: the first cap is 1 MiB
-        self.bucket_bytes_cap = caps.bucket_bytes_cap                      # only when bucket_cap_mb is None
+        # DDP's own caps: the first bucket is 1 MiB only when bucket_cap_mb is None (MiB: a float works)
+        caps = _BucketCapacityConfig.create(d.bucket_cap_mb, None, False)  # type: ignore[arg-type]
+        self.bucket_bytes_cap = caps.bucket_bytes_cap
         self.first_bucket_bytes_cap = caps.first_bucket_bytes_cap
         self.forwards = 0
         params = self._params_for_reducer()
-        self.parameters_for_reducer = params
         world = dist.group.WORLD
         assert world is not None  # estimator.simulate.distributed.process_group made it
         _sync_module_states(module=module, process_group=world, broadcast_bucket_size=BROADCAST_BUCKET_BYTES,
@@ -172,15 +171,14 @@ class SimulatedDDP(torch.nn.Module):
         elif grad is not None:
             view.mul_(1.0 / self.world_size)
         del grad
-        bucket.pending -= 1
         # a ready bucket is all-reduced in place: nothing allocated through the caching allocator
 
     def _finalize_backward(self) -> None:
         """Reducer::finalize_backward: with copies (no bucket views) the reduced buckets go back to ``.grad``."""
+        self._in_backward = False
+        if self.gradient_as_bucket_view:
+            return  # the gradients are the buckets
         for bucket in self.buckets:
-            bucket.pending = len(bucket.params)
-            if self.gradient_as_bucket_view:
-                continue
             for p in bucket.params:
                 view = bucket.views[id(p)]
                 if p.grad is None:
@@ -188,7 +186,6 @@ class SimulatedDDP(torch.nn.Module):
                     p.grad = view.clone(memory_format=torch.preserve_format)
                 else:
                     p.grad.copy_(view)
-        self._in_backward = False
 
 
 def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
