@@ -264,9 +264,11 @@ def _table(r) -> None:
 def _gpus(args: argparse.Namespace) -> int:
     from estimator.gpus import CATALOG
 
-    print(f"{'name':<24} {'memory (MiB)':>12} {'cc':>4} {'context (MiB)':>13}")
+    print(f"{'name':<24} {'memory (MiB)':>12} {'cc':>4} {'context (MiB)':>13}  also (GFD product labels, MIG resource)")
     for g in CATALOG.values():
-        print(f"{g.name:<24} {g.memory_bytes // 2**20:>12} {g.compute_capability:>4} {g.context_bytes // 2**20:>13}")
+        also = ", ".join([*g.aliases, *([g.mig_resource] if g.mig_resource else [])])
+        print(f"{g.name:<24} {g.memory_bytes // 2**20:>12} {g.compute_capability:>4} {g.context_bytes // 2**20:>13}  "
+              f"{also}")
     return 0
 
 

@@ -13,13 +13,25 @@ defaults on). It is allocated through the caching allocator, once per
 (handle, stream): the forward thread and the autograd device thread each hold one.
 ``peak_tflops`` is dense (no sparsity) bf16/fp16 tensor-core throughput and
 fp32 (non-TF32) throughput from the vendor's datasheet.
+
+Clusters name cards differently. ``aliases`` are the values NVIDIA's GPU
+Feature Discovery puts in the node label ``nvidia.com/gpu.product``: the NVML
+name with spaces turned into dashes (``NVIDIA-A100-SXM4-80GB``, ``Tesla-T4``;
+drivers before R470 wrote A100s without the ``NVIDIA-`` prefix), and for a
+MIG row, with the single MIG strategy, the parent's product with
+``-MIG-<profile>`` appended (``NVIDIA-A100-SXM4-40GB-MIG-1g.5gb``). A MIG row's
+``mig_resource`` is the extended resource a pod requests for that slice under
+the mixed strategy (``nvidia.com/mig-1g.5gb``). ``find_gpu`` takes any of these.
+
+>>> find_gpu("NVIDIA-A100-SXM4-80GB").name, find_gpu("nvidia.com/mig-1g.5gb").name
+('A100-80GB', 'A100-40GB-MIG-1g.5gb')
 """
 
 from __future__ import annotations
 
 import difflib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from estimator.errors import SpecError, UnknownGPUError
 
@@ -39,6 +51,7 @@ class GPU:
     peak_tflops_bf16: float
     peak_tflops_fp32: float
     description: str = ""
+    aliases: tuple[str, ...] = ()  # GFD product labels (module docstring)
 
     @property
     def cublas_workspace_bytes(self) -> int:
@@ -51,6 +64,24 @@ class GPU:
     @property
     def compute_capability(self) -> str:
         return f"{self.capability[0]}.{self.capability[1]}"
+
+    @property
+    def mig_profile(self) -> str | None:
+        """``1g.5gb`` for a MIG row (``A100-40GB-MIG-1g.5gb``), None for a whole card."""
+        _, sep, profile = self.name.partition("-MIG-")
+        return profile if sep else None
+
+    @property
+    def mig_parent(self) -> str | None:
+        """The catalog name of the card a MIG row slices (``A100-40GB``), None for a whole card."""
+        parent, sep, _ = self.name.partition("-MIG-")
+        return parent if sep else None
+
+    @property
+    def mig_resource(self) -> str | None:
+        """The extended resource of a MIG row under the mixed strategy (``nvidia.com/mig-1g.5gb``)."""
+        profile = self.mig_profile
+        return f"{MIG_RESOURCE_PREFIX}{profile}" if profile else None
 
 
 # Context sizes: measured with torch 2.x / CUDA 12: about 300-500 MiB, larger
@@ -96,20 +127,80 @@ _CATALOG: tuple[GPU, ...] = (
     GPU("H100-80GB-MIG-3g.40gb", 40448 * MIB, (9, 0), 500 * MIB, 989.0 * 3 / 7, 67.0 * 3 / 7, "H100 80GB MIG 3g.40gb"),
 )
 
-CATALOG: dict[str, GPU] = {g.name: g for g in _CATALOG}
-CATALOG_VERSION = "2026-11-29"
+MIG_RESOURCE_PREFIX = "nvidia.com/mig-"
+
+# GFD's ``nvidia.com/gpu.product`` values of each whole card (NVML names, spaces -> dashes). Form factors with
+# the same memory and compute share a row (an A100 PCIe 80GB reports 81920 MiB as the SXM4 one does).
+_PRODUCTS: dict[str, tuple[str, ...]] = {
+    "V100-16GB": ("Tesla-V100-SXM2-16GB", "Tesla-V100-PCIE-16GB"),
+    "V100-32GB": ("Tesla-V100-SXM2-32GB", "Tesla-V100-PCIE-32GB", "Tesla-V100S-PCIE-32GB"),
+    "T4-16GB": ("Tesla-T4",),
+    "A10G-24GB": ("NVIDIA-A10G",),
+    "L4-24GB": ("NVIDIA-L4",),
+    "RTX3090-24GB": ("NVIDIA-GeForce-RTX-3090",),
+    "RTX4090-24GB": ("NVIDIA-GeForce-RTX-4090",),
+    "A100-40GB": ("NVIDIA-A100-SXM4-40GB", "A100-SXM4-40GB", "NVIDIA-A100-PCIE-40GB", "A100-PCIE-40GB"),
+    "A100-80GB": ("NVIDIA-A100-SXM4-80GB", "A100-SXM4-80GB", "NVIDIA-A100-80GB-PCIe", "A100-80GB-PCIe"),
+    "H100-80GB": ("NVIDIA-H100-80GB-HBM3",),  # the SXM card; H100-SXM-80GB is the same card by another name
+    "H100-PCIe-80GB": ("NVIDIA-H100-PCIe",),
+    "H200-141GB": ("NVIDIA-H200",),
+    "L40S-48GB": ("NVIDIA-L40S",),
+}
+
+
+def _with_aliases(gpu: GPU) -> GPU:
+    parent, profile = gpu.mig_parent, gpu.mig_profile
+    if parent is not None:
+        return replace(gpu, aliases=tuple(f"{p}-MIG-{profile}" for p in _PRODUCTS[parent]))
+    return replace(gpu, aliases=_PRODUCTS.get(gpu.name, ()))
+
+
+CATALOG: dict[str, GPU] = {g.name: _with_aliases(g) for g in _CATALOG}
+CATALOG_VERSION = "2026-12-01"
+
+# every spelling a card answers to, lower-cased (names and aliases are unique across the catalog)
+_SPELLINGS: dict[str, GPU] = {}
+for _gpu in CATALOG.values():
+    for _spelling in (_gpu.name, *_gpu.aliases):
+        assert _spelling.lower() not in _SPELLINGS, _spelling
+        _SPELLINGS[_spelling.lower()] = _gpu
+
+
+def mig_cards(profile: str) -> list[GPU]:
+    """The catalog's MIG rows of ``profile`` (``1g.10gb``; any case), on every card that has it."""
+    return [g for g in CATALOG.values() if (g.mig_profile or "").lower() == profile.lower()]
+
+
+def mig_gpu(parent: GPU, profile: str) -> GPU | None:
+    """The MIG row of ``profile`` on ``parent`` (``A100-80GB``, ``1g.10gb`` -> ``A100-80GB-MIG-1g.10gb``)."""
+    return next((g for g in mig_cards(profile) if g.mig_parent == parent.name), None)
+
+
+def find_gpu(name: str) -> GPU | None:
+    """The card ``name`` spells, case-insensitive: a catalog name, a GFD product label (``aliases``), or a MIG
+    resource (``nvidia.com/mig-1g.5gb``) that only one card has; None otherwise (``get_gpu`` says why)."""
+    gpu = _SPELLINGS.get(name.lower())
+    if gpu is None and name.lower().startswith(MIG_RESOURCE_PREFIX):
+        cards = mig_cards(name[len(MIG_RESOURCE_PREFIX):])
+        gpu = cards[0] if len(cards) == 1 else None
+    return gpu
 
 
 def get_gpu(name: str, field: str = "gpus") -> GPU:
-    """A catalog card by name (case-insensitive); ``UnknownGPUError`` with suggestions otherwise."""
+    """A card by any spelling ``find_gpu`` takes; ``UnknownGPUError`` with suggestions otherwise (for a MIG
+    resource on several cards, the catalog names of its rows)."""
     if not isinstance(name, str):
         raise UnknownGPUError(field, name, [])
-    for key, gpu in CATALOG.items():
-        if key.lower() == name.lower():
-            return gpu
-    lowered = {k.lower(): k for k in CATALOG}
-    close = difflib.get_close_matches(name.lower(), list(lowered), n=3, cutoff=0.5)
-    raise UnknownGPUError(field, name, [lowered[c] for c in close])
+    gpu = find_gpu(name)
+    if gpu is not None:
+        return gpu
+    if name.lower().startswith(MIG_RESOURCE_PREFIX):
+        rows = mig_cards(name[len(MIG_RESOURCE_PREFIX):])
+        if rows:  # more than one card has it: which one is the caller's to say
+            raise UnknownGPUError(field, name, [g.name for g in rows])
+    spellings = {s: g.name for s, g in _SPELLINGS.items()}
+    close = difflib.get_close_matches(name.lower(), list(spellings), n=3, cutoff=0.5)
+    raise UnknownGPUError(field, name, list(dict.fromkeys(spellings[c] for c in close)))
 
 
 # The CUDA context of a card the catalog does not know: what most catalog rows have.
@@ -126,7 +217,7 @@ def custom_name_problem(name: str) -> str | None:
     if not re.fullmatch(CUSTOM_NAME_PATTERN, name):
         return "1 to 64 letters, digits, spaces or ._()+-, starting with a letter or digit"
     for gpu in CATALOG.values():
-        if name.lower() in (gpu.name.lower(), gpu.description.lower()):
+        if name.lower() in (gpu.name.lower(), gpu.description.lower(), *(a.lower() for a in gpu.aliases)):
             return (f"a name no catalog card has: {name!r} is the catalog's {gpu.name} (name that card as a "
                     "string, or give a custom card another name)")
     return None
@@ -150,4 +241,5 @@ def catalog() -> dict[str, object]:
     return {"catalog": CATALOG_VERSION, "gpus": [
         {"name": g.name, "memory_bytes": g.memory_bytes, "compute_capability": g.compute_capability,
          "context_bytes": g.context_bytes, "peak_tflops_bf16": g.peak_tflops_bf16,
-         "peak_tflops_fp32": g.peak_tflops_fp32, "description": g.description} for g in CATALOG.values()]}
+         "peak_tflops_fp32": g.peak_tflops_fp32, "description": g.description, "aliases": list(g.aliases),
+         "mig_resource": g.mig_resource} for g in CATALOG.values()]}

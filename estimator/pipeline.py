@@ -62,8 +62,8 @@ def estimate(request: EstimateRequest, *, built: BuiltModel | None = None, progr
     cards, built, sim, start, warnings = _simulator(request, built, progress)
     response = _answer(sim, request, cards, start, built.name, built.parameter_count, built.input,
                        list(built.assumptions), warnings, t0, sim.recipe.distributed.world_size)
-    if request.training.distributed.strategy == "none":
-        response = _with_suggestions(response, request, built, sim.recipe, cards, start)
+    if request.training.distributed.strategy == "none" and request.planner.suggestions:
+        response = _with_suggestions(response, request, built, sim.recipe, cards, start, t0)
     if not request.planner.max_seq_len:
         return response
     if "seq_len" not in built.input:
@@ -127,7 +127,7 @@ def _estimate_auto(request: EstimateRequest, built: BuiltModel | None, progress:
 
 
 def _with_suggestions(response: EstimateResponse, request: EstimateRequest, built: BuiltModel, recipe: Recipe,
-                      cards: list[GPU], start: int) -> EstimateResponse:
+                      cards: list[GPU], start: int, t0: float) -> EstimateResponse:
     """A single-GPU answer whose smallest batch does not fit some card, with what would make it fit
     (``estimator.worlds.Suggester``): each checked by a simulation."""
     if all(r.max_batch_size is not None for r in response.results):
@@ -147,7 +147,7 @@ def _with_suggestions(response: EstimateResponse, request: EstimateRequest, buil
                     warnings[i] = Note(w.code, f"{w.message}; it fits with {found[0].description}"
                                        + (f" (or: {'; '.join(s.description for s in found[1:])})"
                                           if len(found) > 1 else ""))
-    provenance = dataclasses.replace(response.provenance,
+    provenance = dataclasses.replace(response.provenance, seconds=round(time.perf_counter() - t0, 3),
                                      simulations=response.provenance.simulations + suggester.simulations)
     return dataclasses.replace(response, results=results, warnings=warnings, provenance=provenance)
 

@@ -248,6 +248,9 @@ class PlannerSpec(BaseModel):
                               description="fraction of the card's peak FLOP/s a step reaches")
     max_seq_len: bool = Field(False, description="text models: also search the largest seq_len that fits at "
                               "batch_size (or the smallest batch); full simulations, slower")
+    suggestions: bool = Field(True, description="when the smallest batch does not fit a card on one GPU, search "
+                              "the cheapest changes that make it fit (results[].suggestions; several full "
+                              "simulations, an FSDP world search among them); false skips them")
 
 
 class EstimateRequest(BaseModel):
