@@ -5,12 +5,15 @@
     batchfit estimate --spec req.json --model mypkg.nets:make   # a local nn.Module factory
     batchfit profile --spec req.json -o profile.json    # the affine trace, portable
     batchfit estimate --profile profile.json --gpus A100-80GB H100-80GB --plot step.png
+    batchfit serve --host 0.0.0.0 --ssl-certfile tls.crt --ssl-keyfile tls.key   # HTTPS (an admission webhook)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
+import ssl
 import sys
 
 from estimator.errors import BatchfitError, MissingExtraError, NoGPUError, SpecError
@@ -272,7 +275,46 @@ def _gpus(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tls_files(certfile: str | None, keyfile: str | None) -> None:
+    """Refuse a TLS setup uvicorn would fail on, as one ``error:`` line rather than its traceback.
+
+    Both files or neither; each readable; and the pair must load as a server's certificate chain and
+    private key, checked with the ssl module as uvicorn will load them. An encrypted key is refused: no
+    password is taken, and OpenSSL would otherwise prompt for one on the terminal.
+    """
+    if certfile is None and keyfile is None:
+        return
+    if certfile is None or keyfile is None:
+        given, other = ("--ssl-certfile", "--ssl-keyfile") if keyfile is None else ("--ssl-keyfile", "--ssl-certfile")
+        raise SpecError(given, certfile or keyfile, f"{other} FILE with it: HTTPS needs both --ssl-certfile and "
+                                                    "--ssl-keyfile")
+    for flag, path in (("--ssl-certfile", certfile), ("--ssl-keyfile", keyfile)):
+        try:
+            with open(path, "rb") as f:
+                f.read(1)
+        except OSError as exc:
+            raise SpecError(flag, path, f"a readable PEM file ({exc.strerror})") from exc
+
+    def no_password() -> str:
+        raise SpecError("--ssl-keyfile", keyfile, "an unencrypted private key (this one is encrypted; batchfit "
+                                                  "serve takes no password)")
+
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(certfile, keyfile, password=no_password)
+    except ssl.SSLError as exc:
+        reason = re.sub(r"\s*\(_ssl\.c:\d+\)$", "", str(exc))  # OpenSSL's source line says nothing to a user
+        if "PEM lib" in reason:  # which names neither file: the certificate file holds a certificate, or not
+            try:
+                ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_verify_locations(cafile=certfile)
+                reason += "; --ssl-keyfile holds no PEM private key"
+            except ssl.SSLError:
+                reason += "; --ssl-certfile holds no PEM certificate"
+        raise SpecError("--ssl-certfile/--ssl-keyfile", (certfile, keyfile),
+                        f"a PEM certificate chain and the private key that matches it (ssl: {reason})") from exc
+
+
 def _serve(args: argparse.Namespace) -> int:
+    _tls_files(args.ssl_certfile, args.ssl_keyfile)  # before the imports: a bad flag fails fast
     # what the service imports that the core does not install: the service extra
     service_modules = {"uvicorn", "fastapi", "starlette", "pydantic_settings", "prometheus_client", "httpx", "redis"}
     try:
@@ -283,7 +325,8 @@ def _serve(args: argparse.Namespace) -> int:
         if (exc.name or "").partition(".")[0] not in service_modules:
             raise  # a defect, not a missing extra
         raise MissingExtraError("service", "batchfit serve", str(exc)) from exc
-    uvicorn.run("app.main:create_app", factory=True, host=args.host, port=args.port)
+    uvicorn.run("app.main:create_app", factory=True, host=args.host, port=args.port,
+                ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile)
     return 0
 
 
@@ -318,9 +361,12 @@ def main(argv: list[str] | None = None) -> int:
     prof.add_argument("-o", "--output", required=True, help="where to write the profile JSON")
     prof.add_argument("--model", metavar="PACKAGE.MODULE:FACTORY", help="a local nn.Module factory")
     prof.set_defaults(func=_profile)
-    serve = sub.add_parser("serve", help="run the HTTP service")
+    serve = sub.add_parser("serve", help="run the HTTP service (HTTPS with --ssl-certfile and --ssl-keyfile)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--ssl-certfile", metavar="FILE",
+                       help="serve HTTPS: the server's PEM certificate (its chain after it), with --ssl-keyfile")
+    serve.add_argument("--ssl-keyfile", metavar="FILE", help="the PEM private key of --ssl-certfile (unencrypted)")
     serve.set_defaults(func=_serve)
     args = parser.parse_args(argv)
     try:
