@@ -34,6 +34,8 @@ from app.errors import (
     problem,
     unsupported_media_type,
 )
+from app.k8s.answers import Estimates
+from app.k8s.routes import router as k8s_router
 from app.metrics import Metrics
 from app.pool import Pool
 from app.routes import router
@@ -42,8 +44,9 @@ from estimator import __version__
 from estimator.errors import BatchfitError, Unauthorized
 
 OPEN = {"/healthz", "/readyz"}  # without a key even when keys are set
-JSON_BODY = {"/estimate"}  # the routes that take a body: application/json, else 415
-ROUTES = {"/estimate", "/gpus", "/models", "/healthz", "/readyz", "/metrics", "/docs", "/openapi.json"}
+K8S = {"/k8s/filter", "/k8s/prioritize", "/k8s/mutate"}  # without a key with BATCHFIT_K8S_WITHOUT_KEY
+JSON_BODY = {"/estimate", *K8S}  # the routes that take a body: application/json, else 415
+ROUTES = {"/estimate", "/gpus", "/models", "/healthz", "/readyz", "/metrics", "/docs", "/openapi.json", *K8S}
 
 
 def __getattr__(name: str) -> Any:
@@ -68,6 +71,7 @@ def create_app(settings: Settings | None = None, *, start_workers: bool = True) 
             await app.state.pool.start()
         logs.log("started", workers=settings.workers, cache=type(app.state.cache).__name__)
         yield
+        await app.state.k8s.close()
         await app.state.pool.stop()
         if app.state.cache:
             app.state.cache.close()
@@ -81,6 +85,7 @@ def create_app(settings: Settings | None = None, *, start_workers: bool = True) 
     app.state.gpu_lock = asyncio.Lock()  # one validation at a time on this node's GPU
     app.state.cache = None
     app.state.pool = None
+    app.state.k8s = Estimates(app)
     app.add_exception_handler(BatchfitError, on_batchfit_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
@@ -90,19 +95,19 @@ def create_app(settings: Settings | None = None, *, start_workers: bool = True) 
     async def around(request: Request, call_next):
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
         route = request.url.path
-        t0 = time.perf_counter()
-        if route not in OPEN:  # /docs and /openapi.json too: open only when no keys are set
+        t0 = request.state.started = time.perf_counter()
+        if route not in OPEN and not (route in K8S and settings.k8s_without_key):  # /docs too: open without keys
             try:
                 check_key(request, settings)
             except Unauthorized as exc:
                 denied = error_problem(exc, headers={"WWW-Authenticate": "Bearer"})
                 return _finish(app, denied, route, rid, t0)
-        limit = settings.max_body_bytes
+        limit = settings.k8s_max_body_bytes if route in K8S else settings.max_body_bytes
         declared = request.headers.get("content-length")
         streamed = None
         if declared is not None:
             if not declared.isdigit() or int(declared) > limit:
-                return _finish(app, _body_too_large(f"the body is {declared} bytes", limit), route, rid, t0)
+                return _finish(app, _body_too_large(f"the body is {declared} bytes", limit, route), route, rid, t0)
         content_type = request.headers.get("content-type")
         if request.method == "POST" and route in JSON_BODY and _has_body(request) and not _is_json(content_type):
             return _finish(app, unsupported_media_type(content_type), route, rid, t0)
@@ -114,10 +119,11 @@ def create_app(settings: Settings | None = None, *, start_workers: bool = True) 
             _count(app, 500, route, rid, t0)
             raise
         if streamed is not None and streamed.exceeded:  # what the route saw was cut off at the limit
-            response = _body_too_large(f"the body passed {limit} bytes", limit)
+            response = _body_too_large(f"the body passed {limit} bytes", limit, route)
         return _finish(app, response, route, rid, t0)
 
     app.include_router(router)
+    app.include_router(k8s_router)
     return app
 
 
@@ -132,10 +138,12 @@ def _is_json(content_type: str | None) -> bool:
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
-def _body_too_large(what: str, limit: int) -> Response:
-    """413, before the body is read when its Content-Length says so (BATCHFIT_MAX_BODY_BYTES)."""
+def _body_too_large(what: str, limit: int, route: str) -> Response:
+    """413, before the body is read when its Content-Length says so (BATCHFIT_MAX_BODY_BYTES, or
+    BATCHFIT_K8S_MAX_BODY_BYTES on the /k8s/ routes)."""
     kind, title = HTTP_PROBLEMS[413]
-    return problem(413, kind, title, f"{what}; the service takes at most {limit} (BATCHFIT_MAX_BODY_BYTES)")
+    setting = "BATCHFIT_K8S_MAX_BODY_BYTES" if route in K8S else "BATCHFIT_MAX_BODY_BYTES"
+    return problem(413, kind, title, f"{what}; the service takes at most {limit} ({setting})")
 
 
 class _LimitedBody:

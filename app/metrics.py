@@ -28,5 +28,18 @@ class Metrics:
                                            "or running, because every client waiting for them disconnected",
                                            registry=self.registry)
 
+        self.k8s_calls = Counter("batchfit_k8s_calls_total", "Kubernetes calls by verb and outcome: not-opted-in "
+                                 "(no batchfit.io/spec), answered, late (an estimate past the deadline: the pod "
+                                 "passed, the estimate goes on for the retry), error (the pod passed)",
+                                 ["verb", "outcome"], registry=self.registry)
+        self.k8s_late = Counter("batchfit_k8s_late_total", "Kubernetes calls answered at the deadline without an "
+                                "estimate that was still running", ["verb"], registry=self.registry)
+        self.k8s_estimates = Counter("batchfit_k8s_estimates_total", "estimate jobs started for Kubernetes calls",
+                                     registry=self.registry)
+        for verb in ("filter", "prioritize", "mutate"):
+            self.k8s_late.labels(verb)
+            for outcome in ("not-opted-in", "answered", "late", "error"):
+                self.k8s_calls.labels(verb, outcome)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -76,7 +76,7 @@ async def post_estimate(
 
     async def compute() -> Reply:
         app.state.metrics.cache_misses.inc()
-        return await _in_pool(app, body)
+        return await run_in_pool(app, body)
 
     try:
         reply = await _while_connected(request, app.state.flights.run(key, compute))
@@ -97,7 +97,7 @@ async def _validate(request: Request, body: EstimateRequest) -> Any:
 
     async def locked() -> Reply:
         async with app.state.gpu_lock:
-            return await _in_pool(app, body)
+            return await run_in_pool(app, body)
 
     try:
         reply = await _while_connected(request, locked())
@@ -155,7 +155,7 @@ def _client_left() -> JSONResponse:
                                      "was cancelled unless an identical request still waits for it")
 
 
-async def _in_pool(app: Any, body: EstimateRequest) -> Reply:
+async def run_in_pool(app: Any, body: EstimateRequest) -> Reply:
     """Run ``body`` in a worker, with the metrics; ``Refused`` when busy or past a limit."""
     metrics, t0 = app.state.metrics, time.perf_counter()
     metrics.workers_busy.inc()

@@ -31,6 +31,15 @@ class Settings(BaseSettings):
     api_keys: str = Field("", description="comma-separated keys; empty: no auth")
     retry_after_s: int = Field(5, ge=1, description="Retry-After when the queue is full")
     max_body_bytes: int = Field(2**20, ge=1024, le=2**30, description="larger request bodies get 413, unread")
+    k8s_max_body_bytes: int = Field(64 * 2**20, ge=1024, le=2**30, description="the /k8s/ routes' body limit: "
+                                    "kube-scheduler sends every candidate node's object to the extender")
+    k8s_deadline_s: float = Field(4.0, gt=0, le=30, description="the /k8s/ routes answer within this: from the "
+                                  "cache, or from an estimate done by then (else it goes on in the background); "
+                                  "under kube-scheduler's extender httpTimeout and the webhook's timeoutSeconds (5 s)")
+    webhook_deny_unfit: bool = Field(False, description="POST /k8s/mutate denies a pod whose job does not fit its "
+                                     "pinned card even at batch 1 (else it is allowed, with a warning)")
+    k8s_without_key: bool = Field(False, description="the /k8s/ routes need no API key even when keys are set "
+                                  "(kube-scheduler's extender cannot send one: restrict them by network policy)")
 
     @field_validator("api_keys")
     @classmethod

@@ -31,9 +31,9 @@ _SEPARATOR = re.compile(rb"[,:]")
 _NUMBER = re.compile(rb"[-+0-9.eE]{%d,}" % (MAX_NUMBER_CHARS + 1))
 
 
-def check_shape(body: bytes) -> None:
+def check_shape(body: bytes, max_items: int = MAX_ITEMS) -> None:
     """``SpecError`` at ``(body)`` when ``body`` nests deeper than ``MAX_BODY_DEPTH``, holds more than
-    ``MAX_ITEMS`` keys and elements, or a number longer than ``MAX_NUMBER_CHARS``; malformed JSON passes
+    ``max_items`` keys and elements, or a number longer than ``MAX_NUMBER_CHARS``; malformed JSON passes
     (the parser names where it breaks)."""
     bare = _STRING.sub(b'""', body)  # brackets, commas and digits inside strings do not count
     depth = deepest = 0
@@ -44,8 +44,8 @@ def check_shape(body: bytes) -> None:
             if deepest > MAX_BODY_DEPTH:
                 raise SpecError("(body)", "(nested deeper)", f"JSON nested at most {MAX_BODY_DEPTH} levels")
     items = sum(1 for _ in _SEPARATOR.finditer(bare))  # a key has its ':', an element after the first its ','
-    if items > MAX_ITEMS:
-        raise SpecError("(body)", f"({items} ',' and ':')", f"at most {MAX_ITEMS} separators (keys and elements)")
+    if items > max_items:
+        raise SpecError("(body)", f"({items} ',' and ':')", f"at most {max_items} separators (keys and elements)")
     long_number = _NUMBER.search(bare)
     if long_number is not None:
         raise SpecError("(body)", long_number.group()[:40].decode("ascii", "replace") + "...",

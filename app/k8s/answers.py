@@ -1,0 +1,220 @@
+"""Estimates for Kubernetes callers: one answer per (request, card), back within the caller's deadline or
+computed in the background for its retry.
+
+kube-scheduler waits ``httpTimeout`` for an extender (5 s by default) and the API server ``timeoutSeconds``
+for a webhook; a first estimate takes longer. So an answer is looked up per card (in memory, then in the
+service's cache); the cards without one are estimated together in one worker job, which the caller waits for
+until its deadline. A job that is not done by then goes on in the background (``batchfit_k8s_late_total``),
+and its answers are stored per card, so the scheduler's next attempt, or the next pod with the same spec,
+finds them. Identical cards of concurrent callers share one job.
+
+Errors are answers too: a request the estimator refuses (an unknown model, a simulation that fails) is
+remembered for ``FAILURE_TTL_S``, so a retry does not start the same failing job again; a busy pool is not
+remembered (the next attempt tries again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from app import logs
+from app.cache import cache_key
+from app.k8s.cards import Card
+from app.routes import Refused, run_in_pool
+from app.worker import ReplyKind
+from estimator import EstimateRequest, parse_request
+from estimator.errors import BatchfitError
+
+MEMORY_ENTRIES = 4096  # answers kept in this process besides the service's cache (which may be off)
+FAILURE_TTL_S = 300.0
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A card's ``results[]`` entry (docs/API.md) and what the allocator may hold on it (``usable_bytes``:
+    capacity - CUDA context - ``planner.reserve_bytes``, what ``memory.fits`` is judged against)."""
+
+    card: Card
+    result: dict[str, Any]
+    usable_bytes: int
+
+    @property
+    def memory(self) -> dict[str, Any]:
+        memory: dict[str, Any] = self.result["memory"]
+        return memory
+
+    @property
+    def fits(self) -> bool:
+        """The step fits at the request's batch (given), else at the smallest batch."""
+        return bool(self.memory["fits"])
+
+    @property
+    def need_bytes(self) -> int:
+        """The reserved peak at ``memory.batch_size`` (the step's need when it does not fit)."""
+        return int(self.memory["reserved_peak_bytes"])
+
+    def shortfall(self) -> str:
+        """One line: ``needs 43.1 GiB at batch 32; NVIDIA-A100-SXM4-40GB has 39.4 GiB usable``."""
+        need, usable = gib(self.need_bytes), gib(self.usable_bytes)
+        if need == usable:  # rounded alike: show the difference
+            need, usable = gib(self.need_bytes, 3), gib(self.usable_bytes, 3)
+        return f"needs {need} GiB at batch {self.memory['batch_size']}; {self.card.label} has {usable} GiB usable"
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why a card has no answer: the estimator's message (``transient``: a busy or failed pool, not remembered)."""
+
+    message: str
+    transient: bool = False
+
+
+Found = dict[str, Answer | Failure]  # by card key
+
+
+def gib(n: int, digits: int = 1) -> str:
+    return f"{n / 2**30:.{digits}f}"
+
+
+class Estimates:
+    """The answers of one app (``app.state.k8s``): ``answers`` and ``close``."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self._memory: OrderedDict[str, tuple[float, dict[str, Any]]] = OrderedDict()
+        self._pending: dict[str, asyncio.Task[Found]] = {}
+        self._tasks: set[asyncio.Task[Found]] = set()
+
+    async def answers(self, request: EstimateRequest, cards: Iterable[Card], deadline: float,
+                      verb: str) -> tuple[Found, bool]:
+        """Per ``Card.key``, the answer (or failure) of each card that has one by ``deadline`` (the event loop's
+        clock); and whether some card had none by then (its job goes on in the background)."""
+        unique = {card.key: card for card in cards}
+        keys = {card.key: card_key(request, card) for card in unique.values()}
+        found: Found = {}
+        missing: list[tuple[Card, str]] = []
+        for name, card in unique.items():
+            hit = await self._lookup(keys[name], card)
+            if hit is not None:
+                found[name] = hit
+            else:
+                missing.append((card, keys[name]))
+        if not missing:
+            return found, False
+        waits = {self._pending[key] for _, key in missing if key in self._pending}
+        new = [(card, key) for card, key in missing if key not in self._pending]
+        if new:
+            waits.add(self._start(request, new))
+        loop = asyncio.get_running_loop()
+        done, _ = await asyncio.wait(waits, timeout=max(deadline - loop.time(), 0.0))
+        by_key = {key: name for name, key in keys.items()}
+        for task in done:
+            for key, answer in task.result().items():
+                if key in by_key:
+                    found[by_key[key]] = answer
+        late = len(done) < len(waits)
+        if late:
+            self.app.state.metrics.k8s_late.labels(verb).inc()
+        return found, late
+
+    async def close(self) -> None:
+        """Cancel the background jobs (the app is stopping)."""
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _start(self, request: EstimateRequest, cards: list[tuple[Card, str]]) -> asyncio.Task[Found]:
+        task = asyncio.ensure_future(self._compute(request, cards))
+        self.app.state.metrics.k8s_estimates.inc()
+        self._tasks.add(task)
+        for _, key in cards:
+            self._pending[key] = task
+
+        def done(finished: asyncio.Task[Found]) -> None:
+            self._tasks.discard(finished)
+            for _, key in cards:
+                if self._pending.get(key) is finished:
+                    del self._pending[key]
+
+        task.add_done_callback(done)
+        return task
+
+    async def _compute(self, request: EstimateRequest, cards: list[tuple[Card, str]]) -> Found:
+        """One worker job for ``cards``; every answer stored; never raises (a failure is an answer)."""
+        t0 = time.perf_counter()
+        try:
+            doc = request.model_dump(mode="json", by_alias=True)
+            doc["gpus"] = [card.entry for card, _ in cards]
+            job = parse_request(doc, allow_local_code=False)
+            reply = await run_in_pool(self.app, job)
+        except Refused as refused:
+            return self._failed(cards, Failure(str(refused.error), transient=True))
+        except BatchfitError as exc:
+            return self._failed(cards, Failure(str(exc)))
+        except Exception as exc:  # noqa: BLE001 - a defect: logged, and the caller passes every node
+            logs.log("k8s-estimate-failed", error=repr(exc))
+            return self._failed(cards, Failure(f"batchfit failed: {type(exc).__name__}: {exc}", transient=True))
+        if reply.kind == ReplyKind.ERROR:
+            return self._failed(cards, Failure(str(reply.error())))
+        if reply.kind != ReplyKind.OK:
+            return self._failed(cards, Failure(f"batchfit failed: {reply.payload}", transient=True))
+        out: Found = {}
+        for (card, key), result in zip(cards, reply.payload["results"], strict=True):
+            value = {"result": result, "usable_bytes": card.gpu.usable_bytes(job.planner.reserve_bytes)}
+            await self._store(key, value)
+            out[key] = _answer(card, value)
+        logs.log("k8s-estimate", cards=[card.label for card, _ in cards], seconds=round(time.perf_counter() - t0, 3))
+        return out
+
+    def _failed(self, cards: list[tuple[Card, str]], failure: Failure) -> Found:
+        logs.log("k8s-estimate-refused", cards=[card.label for card, _ in cards], error=failure.message)
+        if not failure.transient:
+            for _, key in cards:
+                self._remember(key, {"failure": failure.message}, time.monotonic() + FAILURE_TTL_S)
+        return {key: failure for _, key in cards}
+
+    async def _lookup(self, key: str, card: Card) -> Answer | Failure | None:
+        entry = self._memory.get(key)
+        if entry is not None:
+            expires, value = entry
+            if expires < time.monotonic():
+                del self._memory[key]
+            else:
+                self._memory.move_to_end(key)
+                return _answer(card, value)
+        cache = self.app.state.cache
+        stored = await asyncio.to_thread(cache.get, key) if cache else None
+        if stored is None or "result" not in stored:
+            return None
+        self._remember(key, stored)
+        return _answer(card, stored)
+
+    async def _store(self, key: str, value: dict[str, Any]) -> None:
+        self._remember(key, value)
+        if self.app.state.cache:
+            await asyncio.to_thread(self.app.state.cache.set, key, value)
+
+    def _remember(self, key: str, value: dict[str, Any], expires: float = float("inf")) -> None:
+        self._memory[key] = (expires, value)
+        self._memory.move_to_end(key)
+        while len(self._memory) > MEMORY_ENTRIES:
+            self._memory.popitem(last=False)
+
+
+def card_key(request: EstimateRequest, card: Card) -> str:
+    """The cache key of ``request`` on ``card`` alone (not a POST /estimate key: its answer is one card's
+    ``results[]`` entry of a job that may have held several)."""
+    doc = request.model_dump(mode="json", by_alias=True)
+    doc["gpus"] = [card.entry]
+    return cache_key({"k8s-card": doc})
+
+
+def _answer(card: Card, value: dict[str, Any]) -> Answer | Failure:
+    if "failure" in value:
+        return Failure(str(value["failure"]))
+    return Answer(card, value["result"], int(value["usable_bytes"]))

@@ -1,0 +1,112 @@
+"""kube-scheduler's extender verbs: ``filter`` drops the nodes whose GPU cannot hold the pod's step,
+``prioritize`` ranks the rest by headroom.
+
+Wire format: ``k8s.io/kube-scheduler/extender/v1`` (types.go). Its structs have no json tags, so the keys are
+the Go field names (``Pod``, ``Nodes``, ``NodeNames``; ``FailedNodes``, ``FailedAndUnresolvableNodes``,
+``Error``; ``Host``, ``Score``), while the embedded Pod and NodeList are ordinary camelCase Kubernetes
+objects. The extender is configured with ``nodeCacheCapable: false``: every call carries the node objects,
+and a filter answer returns the passing ones in ``Nodes`` (kube-scheduler reads ``Nodes.items`` then).
+
+A node that cannot hold the step goes to ``FailedAndUnresolvableNodes``: preempting other pods does not add
+GPU memory, so the scheduler's preemption need not try that node. Everything else passes: a pod that did not
+opt in, a node without GPU labels or with a card nobody can size, an answer still being computed past the
+deadline, and any error (scheduling is never blocked by batchfit).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from app import logs
+from app.k8s.answers import Answer, Estimates
+from app.k8s.cards import Card, is_gpu_node, node_card
+from app.k8s.pods import TrainingPod, listing, mapping, opted_in, pod_name, training_pod
+from estimator.errors import SpecError
+
+MAX_SCORE = 10  # extender/v1 MaxExtenderPriority
+
+
+def node_name(node: dict[str, Any]) -> str:
+    return str(mapping(node.get("metadata")).get("name") or "")
+
+
+def node_labels(node: dict[str, Any]) -> dict[str, str]:
+    return {k: v for k, v in mapping(mapping(node.get("metadata")).get("labels")).items() if isinstance(v, str)}
+
+
+async def filter_nodes(args: dict[str, Any], estimates: Estimates, deadline: float) -> dict[str, Any]:
+    """An ``ExtenderFilterResult`` for ``ExtenderArgs``."""
+    nodes = args.get("Nodes")
+    items = [mapping(n) for n in listing(mapping(nodes).get("items"))]
+    names = [n for n in listing(args.get("NodeNames")) if isinstance(n, str)]
+    failed: dict[str, str] = {}
+    judged, _ = await _judge(args, items, estimates, deadline, "filter")
+    if judged:
+        for node in items:
+            answer = judged.get(node_name(node))
+            if answer is not None and not answer.fits:
+                failed[node_name(node)] = answer.shortfall()
+    passing = [n for n in items if node_name(n) not in failed]
+    result_nodes = None if nodes is None else {**mapping(nodes), "items": passing}
+    return {"Nodes": result_nodes, "NodeNames": [node_name(n) for n in passing] if items else names,
+            "FailedNodes": {}, "FailedAndUnresolvableNodes": failed, "Error": ""}
+
+
+async def prioritize_nodes(args: dict[str, Any], estimates: Estimates, deadline: float) -> list[dict[str, Any]]:
+    """A ``HostPriorityList`` for ``ExtenderArgs``: 0-10 per node, proportional to its headroom at the pod's
+    batch (usable - reserved peak), or to its max batch when the pod gives none; 0 for a node that does not fit
+    or has no answer."""
+    items = [mapping(n) for n in listing(mapping(args.get("Nodes")).get("items"))]
+    hosts = [node_name(n) for n in items] or [n for n in listing(args.get("NodeNames")) if isinstance(n, str)]
+    judged, batch_given = await _judge(args, items, estimates, deadline, "prioritize")
+    values = {host: _merit(judged[host], batch_given) if host in judged else 0 for host in hosts}
+    best = max(values.values(), default=0)
+    return [{"Host": host, "Score": math.floor(MAX_SCORE * value / best + 0.5) if best > 0 else 0}
+            for host, value in values.items()]
+
+
+def _merit(answer: Answer, batch_given: bool) -> int:
+    if not answer.fits:
+        return 0
+    return answer.usable_bytes - answer.need_bytes if batch_given else int(answer.result["max_batch_size"] or 0)
+
+
+async def _judge(args: dict[str, Any], items: list[dict[str, Any]], estimates: Estimates, deadline: float,
+                 verb: str) -> tuple[dict[str, Answer], bool]:
+    """The answer for each node that has one in time, by node name ({} when the pod is not judged at all: it
+    did not opt in, its annotations are wrong, or the nodes came as names only), and whether the pod gave
+    its batch."""
+    metrics = estimates.app.state.metrics
+    pod = mapping(args.get("Pod"))
+    if not opted_in(pod):
+        metrics.k8s_calls.labels(verb, "not-opted-in").inc()
+        return {}, False
+    if not items:
+        logs.log("k8s-no-node-objects", verb=verb, pod=pod_name(pod),
+                 why="the extender must be configured with nodeCacheCapable: false")
+        metrics.k8s_calls.labels(verb, "error").inc()
+        return {}, False
+    try:
+        training: TrainingPod = training_pod(pod)
+    except SpecError as exc:
+        logs.log("k8s-bad-pod", verb=verb, pod=pod_name(pod), error=str(exc))
+        metrics.k8s_calls.labels(verb, "error").inc()
+        return {}, False
+    cards: dict[str, Card] = {}
+    for node in items:
+        labels = node_labels(node)
+        card = node_card(labels, training.mig_profile) if is_gpu_node(labels) else None
+        if card is not None:
+            cards[node_name(node)] = card
+    found, late = await estimates.answers(training.request, cards.values(), deadline, verb)
+    judged: dict[str, Answer] = {}
+    for name, card in cards.items():
+        answer = found.get(card.key)
+        if isinstance(answer, Answer):
+            judged[name] = answer
+        elif answer is not None:
+            logs.log("k8s-no-answer", verb=verb, pod=training.name, node=name, error=answer.message)
+    outcome = "late" if late else "answered" if len(judged) == len(cards) else "error"
+    metrics.k8s_calls.labels(verb, outcome).inc()
+    return judged, training.batch is not None

@@ -1,0 +1,95 @@
+"""The routes: POST /k8s/filter, /k8s/prioritize (kube-scheduler extender) and /k8s/mutate (admission webhook).
+
+Their bodies are Kubernetes objects, parsed here rather than by a schema (a Pod or a Node has hundreds of
+fields this service never reads). Each call answers within ``BATCHFIT_K8S_DEADLINE_S`` of its arrival
+(app/k8s/answers.py). A body that is not the expected object is a 400/422 problem, which kube-scheduler treats
+as an extender error (passed over with ``ignorable: true``) and the API server as a webhook failure
+(``failurePolicy: Ignore``); a wrong pod annotation is not an error of the call: the pod passes, unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from app.errors import problem_responses
+from app.k8s.extender import filter_nodes, prioritize_nodes
+from app.k8s.webhook import mutate, review_request
+from app.shape import check_shape
+from estimator.errors import SpecError
+
+router = APIRouter(prefix="/k8s", tags=["kubernetes"])
+K8S_MAX_ITEMS = 5_000_000  # keys and elements of a NodeList of thousands of nodes (app/shape.py)
+ERRORS = problem_responses(400, 401, 413, 415, 422)
+
+
+async def _body(request: Request) -> Any:
+    """The decoded JSON body; ``SpecError`` at ``(body)`` when it is not JSON or its shape is refused. Large
+    bodies (a NodeList) are scanned and parsed off the event loop."""
+    raw = await request.body()
+    big = len(raw) > 2**16
+    if big:
+        await asyncio.to_thread(check_shape, raw, K8S_MAX_ITEMS)
+    else:
+        check_shape(raw, K8S_MAX_ITEMS)
+    try:
+        return await asyncio.to_thread(json.loads, raw) if big else json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise SpecError("(body)", raw[:80].decode("utf-8", "replace"), f"JSON ({exc})") from None
+
+
+def _deadline(request: Request) -> float:
+    return asyncio.get_running_loop().time() + request.app.state.settings.k8s_deadline_s - _elapsed(request)
+
+
+def _elapsed(request: Request) -> float:
+    """Seconds since the request arrived (the middleware's clock), so the deadline counts the body's upload."""
+    started = getattr(request.state, "started", None)
+    return max(time.perf_counter() - started, 0.0) if started is not None else 0.0
+
+
+def _args(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict) or not isinstance(body.get("Pod"), dict):
+        raise SpecError("Pod", None if not isinstance(body, dict) else body.get("Pod"),
+                        "an ExtenderArgs object with the Pod (kube-scheduler extender/v1)")
+    nodes = body.get("Nodes")
+    if nodes is not None and not (isinstance(nodes, dict) and isinstance(nodes.get("items", []), (list, type(None)))):
+        raise SpecError("Nodes", type(nodes).__name__, "a NodeList object with items (or null)")
+    return body
+
+
+def _object_body(description: str) -> dict[str, Any]:
+    """OpenAPI for a body read by hand: a JSON object."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": {
+        "type": "object", "description": description}}}}}
+
+
+EXTENDER_ARGS = _object_body("ExtenderArgs (k8s.io/kube-scheduler/extender/v1): Pod, Nodes (a NodeList), NodeNames")
+
+
+@router.post("/filter", responses=ERRORS, summary="kube-scheduler extender: drop the nodes whose GPU the pod's "
+             "step does not fit", openapi_extra=EXTENDER_ARGS)
+async def k8s_filter(request: Request) -> Any:
+    args = _args(await _body(request))
+    return JSONResponse(await filter_nodes(args, request.app.state.k8s, _deadline(request)))
+
+
+@router.post("/prioritize", responses=ERRORS, summary="kube-scheduler extender: rank nodes 0-10 by the pod's "
+             "headroom", openapi_extra=EXTENDER_ARGS)
+async def k8s_prioritize(request: Request) -> Any:
+    args = _args(await _body(request))
+    return JSONResponse(await prioritize_nodes(args, request.app.state.k8s, _deadline(request)))
+
+
+@router.post("/mutate", responses=ERRORS, summary="mutating admission webhook: the pod's batch size in its env",
+             openapi_extra=_object_body("AdmissionReview (admission.k8s.io/v1) of a Pod CREATE"))
+async def k8s_mutate(request: Request) -> Any:
+    review = await _body(request)
+    review_request(review)
+    settings = request.app.state.settings
+    return JSONResponse(await mutate(review, request.app.state.k8s, _deadline(request), settings.webhook_deny_unfit))

@@ -1,0 +1,213 @@
+"""The mutating admission webhook: a pod that opted in gets its batch size from batchfit before it is
+scheduled.
+
+Wire format: ``AdmissionReview`` of ``admission.k8s.io/v1``. The answer echoes ``request.uid`` and is always
+``allowed`` unless the pod cannot train even at batch 1 on the card it is pinned to and the service runs with
+``BATCHFIT_WEBHOOK_DENY_UNFIT=1``. A pod is changed only when its card is known (pinned by the
+``batchfit.io/gpu`` annotation, the ``nvidia.com/gpu.product`` node selector, or required node affinity on that
+label; with several candidate cards, the answer is the one that fits them all) and batchfit answered in time.
+The change is a JSONPatch (RFC 6902, base64 in ``patch``) that sets in the env of every container requesting
+``nvidia.com/gpu`` or a MIG resource:
+
+- ``BATCHFIT_BATCH_SIZE``: the pod's ``batchfit.io/batch-size``, else the accumulation plan's micro-batch
+  (``planner.target_global_batch``), else the recommended batch;
+- ``BATCHFIT_GRAD_ACCUM``: accumulation steps, only with ``planner.target_global_batch``;
+- ``BATCHFIT_MAX_BATCH_SIZE``: the largest batch that fits;
+
+and the annotation ``batchfit.io/estimate``, a one-line summary. Everything else (the card unknown, the
+estimate late or failing, a bad annotation) allows the pod unchanged with a ``warnings`` entry, which kubectl
+shows to whoever created the pod.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+from typing import Any
+
+from app.k8s.answers import Answer, Estimates
+from app.k8s.cards import Card, named_card
+from app.k8s.pods import ESTIMATE, TrainingPod, listing, mapping, opted_in, pinned_products, training_pod
+from estimator import __version__
+from estimator.errors import SpecError
+from estimator.gpus import mig_gpu
+
+REVIEW_VERSION = "admission.k8s.io/v1"
+ENV_BATCH, ENV_ACCUM, ENV_MAX = "BATCHFIT_BATCH_SIZE", "BATCHFIT_GRAD_ACCUM", "BATCHFIT_MAX_BATCH_SIZE"
+WARNING_CHARS = 240  # the API server may truncate warnings past 256 characters
+
+
+def review_request(review: Any) -> dict[str, Any]:
+    """``review.request``; ``SpecError`` when the body is not an AdmissionReview of admission.k8s.io/v1."""
+    if not isinstance(review, dict):
+        raise SpecError("(body)", type(review).__name__, "an AdmissionReview object")
+    if review.get("apiVersion") != REVIEW_VERSION or review.get("kind") != "AdmissionReview":
+        raise SpecError("apiVersion", review.get("apiVersion"), f"'{REVIEW_VERSION}' with kind 'AdmissionReview' "
+                        "(set admissionReviewVersions: [v1] in the MutatingWebhookConfiguration)")
+    request = review.get("request")
+    if not isinstance(request, dict) or not isinstance(request.get("uid"), str) or not request["uid"]:
+        raise SpecError("request.uid", mapping(request).get("uid"), "the request's uid (a non-empty string)")
+    return request
+
+
+async def mutate(review: dict[str, Any], estimates: Estimates, deadline: float, deny_unfit: bool) -> dict[str, Any]:
+    """The ``AdmissionReview`` answering ``review`` (checked by ``review_request``)."""
+    request = review_request(review)
+    response = await _respond(request, estimates, deadline, deny_unfit)
+    return {"apiVersion": REVIEW_VERSION, "kind": "AdmissionReview", "response": {"uid": request["uid"], **response}}
+
+
+async def _respond(request: dict[str, Any], estimates: Estimates, deadline: float,
+                   deny_unfit: bool) -> dict[str, Any]:
+    calls = estimates.app.state.metrics.k8s_calls
+    pod = mapping(request.get("object"))
+    kind = mapping(request.get("kind")).get("kind")
+    if kind != "Pod" or request.get("operation") != "CREATE" or not opted_in(pod):
+        calls.labels("mutate", "not-opted-in").inc()
+        return {"allowed": True}
+    try:
+        training = training_pod(pod)
+    except SpecError as exc:
+        calls.labels("mutate", "error").inc()
+        return _unchanged(f"not changed: {exc}")
+    if not training.gpu_containers:
+        calls.labels("mutate", "error").inc()
+        return _unchanged("not changed: no container requests nvidia.com/gpu or a MIG resource")
+    cards, unknown = _pinned_cards(pod, training)
+    if unknown or not cards:
+        calls.labels("mutate", "error").inc()
+        what = f"{', '.join(unknown)} is not a card batchfit knows" if unknown else (
+            "the pod is not pinned to a GPU type (nodeSelector or required node affinity on "
+            "nvidia.com/gpu.product, or the batchfit.io/gpu annotation)")
+        return _unchanged(f"not changed: {what}")
+    found, late = await estimates.answers(training.request, cards, deadline, "mutate")
+    answers = [found.get(card.key) for card in cards]
+    if late and not all(isinstance(a, Answer) for a in answers):
+        calls.labels("mutate", "late").inc()
+        return _unchanged("not changed: the estimate is still running; it is kept for the next pod with this spec")
+    failures = [a for a in answers if not isinstance(a, Answer)]
+    if failures:
+        calls.labels("mutate", "error").inc()
+        return _unchanged(f"not changed: {failures[0].message if failures[0] is not None else 'no answer'}")
+    calls.labels("mutate", "answered").inc()
+    return _decide([a for a in answers if isinstance(a, Answer)], training, pod, deny_unfit)
+
+
+def _pinned_cards(pod: dict[str, Any], training: TrainingPod) -> tuple[list[Card], list[str]]:
+    """The cards the pod may get (the slice it requests on each pinned card, under the mixed MIG strategy),
+    and the pinned names batchfit does not know."""
+    names = pinned_products(pod)
+    if not names and training.mig_profile is not None:  # a slice only one catalog card has pins itself
+        names = [f"nvidia.com/mig-{training.mig_profile}"]
+    cards, unknown = [], []
+    for name in names:
+        card = named_card(name)
+        if card is not None and training.mig_profile is not None and card.gpu.mig_profile is None:
+            sliced = mig_gpu(card.gpu, training.mig_profile)
+            card = Card(f"{name}-MIG-{training.mig_profile}", sliced, sliced.name) if sliced is not None else None
+        if card is None:
+            unknown.append(name)
+        else:
+            cards.append(card)
+    return cards, unknown
+
+
+def _decide(answers: list[Answer], training: TrainingPod, pod: dict[str, Any], deny_unfit: bool) -> dict[str, Any]:
+    """The response for a pod whose every candidate card was answered."""
+    unfit = [a for a in answers if a.result["max_batch_size"] is None]
+    if unfit:
+        worst = unfit[0]
+        message = (f"batchfit: the job does not fit {worst.card.label} even at batch {worst.result['min_batch_size']}: "
+                   f"it {worst.shortfall()}")
+        if deny_unfit:
+            return {"allowed": False, "status": {"code": 403, "reason": "Forbidden", "message": message}}
+        return _patched(pod, [], f"{worst.card.label}: does not fit ({worst.shortfall()}); batchfit {__version__}",
+                        [message])
+    limiting = min(answers, key=lambda a: int(a.result["max_batch_size"]))
+    max_batch = int(limiting.result["max_batch_size"])
+    warnings: list[str] = []
+    accumulation = mapping(limiting.result.get("accumulation"))
+    target = training.request.planner.target_global_batch
+    steps: int | None = None
+    if training.batch is not None:
+        batch = training.batch
+        over = [a for a in answers if not a.fits]
+        if over:
+            warnings.append(f"batchfit: batch {batch} {over[0].shortfall()}; the largest batch that fits is "
+                            f"{max_batch}")
+        if target is not None:
+            ranks = int(accumulation.get("ranks") or 1)
+            steps = max(1, math.ceil(target / (batch * ranks)))
+    else:
+        recommended = [a.result["recommended_batch_size"] for a in answers]
+        if any(r is None for r in recommended):
+            none = answers[recommended.index(None)]
+            warnings.append(f"batchfit: {none.card.label}: no batch fits within the headroom; using the max")
+            batch = max_batch
+        else:
+            batch = min(int(r) for r in recommended)
+        if target is not None:
+            plans = [mapping(a.result.get("accumulation")) for a in answers]
+            if all(plans):  # the plan of the card with the smallest micro-batch fits every card
+                plan = min(plans, key=lambda p: int(p["micro_batch"]))
+                batch, steps = int(plan["micro_batch"]), int(plan["steps"])
+    env = {ENV_BATCH: str(batch), ENV_MAX: str(max_batch)}
+    if steps is not None:
+        env[ENV_ACCUM] = str(steps)
+    cards = " / ".join(a.card.label for a in answers)
+    accum = f" x {steps} accumulation steps" if steps is not None else ""
+    summary = (f"{cards}: batch {batch}{accum}, max {max_batch} ({limiting.card.label}: "
+               f"{gib_bytes(limiting.need_bytes)} at batch {limiting.memory['batch_size']} of "
+               f"{gib_usable(limiting)} usable); batchfit {__version__}")
+    return _patched(pod, [(i, env) for i in training.gpu_containers], summary, warnings)
+
+
+def gib_bytes(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def gib_usable(answer: Answer) -> str:
+    return gib_bytes(answer.usable_bytes)
+
+
+def _patched(pod: dict[str, Any], envs: list[tuple[int, dict[str, str]]], summary: str,
+             warnings: list[str]) -> dict[str, Any]:
+    ops = patch_ops(pod, envs, summary)
+    response: dict[str, Any] = {"allowed": True, "patchType": "JSONPatch",
+                                "patch": base64.b64encode(json.dumps(ops).encode()).decode()}
+    if warnings:
+        response["warnings"] = [w[:WARNING_CHARS] for w in warnings]
+    return response
+
+
+def patch_ops(pod: dict[str, Any], envs: list[tuple[int, dict[str, str]]], summary: str) -> list[dict[str, Any]]:
+    """RFC 6902 operations: each variable set in its container's env (added, or an existing entry of the
+    same name replaced), and the summary annotation."""
+    ops: list[dict[str, Any]] = []
+    containers = listing(mapping(pod.get("spec")).get("containers"))
+    for i, env in envs:
+        path = f"/spec/containers/{i}/env"
+        current = listing(mapping(containers[i]).get("env"))
+        if not current:
+            ops.append({"op": "add", "path": path, "value": [{"name": k, "value": v} for k, v in env.items()]})
+            continue
+        index = {mapping(e).get("name"): j for j, e in enumerate(current)}
+        for name, value in env.items():
+            entry = {"name": name, "value": value}
+            if name in index:
+                ops.append({"op": "replace", "path": f"{path}/{index[name]}", "value": entry})
+            else:
+                ops.append({"op": "add", "path": f"{path}/-", "value": entry})
+    notes = mapping(pod.get("metadata")).get("annotations")
+    key = ESTIMATE.replace("~", "~0").replace("/", "~1")
+    if isinstance(notes, dict):
+        ops.append({"op": "replace" if ESTIMATE in notes else "add", "path": f"/metadata/annotations/{key}",
+                    "value": summary})
+    else:
+        ops.append({"op": "add", "path": "/metadata/annotations", "value": {ESTIMATE: summary}})
+    return ops
+
+
+def _unchanged(warning: str) -> dict[str, Any]:
+    return {"allowed": True, "warnings": [f"batchfit: {warning}"[:WARNING_CHARS]]}
