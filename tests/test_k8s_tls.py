@@ -9,6 +9,8 @@ fail before uvicorn starts, which they check by making ``uvicorn.run`` fail the 
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import signal
 import socket
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import httpx
+import jsonpatch
 import pytest
 import trustme
 from cryptography.hazmat.primitives import serialization
@@ -163,6 +166,30 @@ def test_readyz_over_tls_once_the_worker_is_up(tls_service: TLSService) -> None:
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["workers"] is True and body["live_workers"] == 1 and body["cache"] == "off"
+
+
+def test_the_webhook_over_tls(tls_service: TLSService) -> None:
+    """The recorded AdmissionReview of a pinned pod, as the API server would POST it: the first answer may come
+    at the deadline (unchanged, with a warning) while the estimate runs; a later one carries the patch."""
+    base_url, ca = tls_service
+    review = json.loads((ROOT / "tests" / "k8s" / "admission_pinned.json").read_text())
+    deadline = time.monotonic() + READY_S
+    with httpx.Client(verify=_verifying(ca), timeout=30) as client:
+        while True:
+            r = client.post(f"{base_url}/k8s/mutate", json=review)
+            assert r.status_code == 200, r.text
+            response = r.json()["response"]
+            assert response["uid"] == review["request"]["uid"] and response["allowed"] is True
+            if "patch" in response or time.monotonic() > deadline:
+                break
+            assert response["warnings"] == ["batchfit: not changed: the estimate is still running; it is kept for "
+                                            "the next pod with this spec"]
+            time.sleep(1)
+    ops = json.loads(base64.b64decode(response["patch"]))
+    patched = jsonpatch.apply_patch(review["request"]["object"], ops)
+    env = {e["name"]: e["value"] for e in patched["spec"]["containers"][0]["env"]}
+    assert {"BATCHFIT_BATCH_SIZE", "BATCHFIT_GRAD_ACCUM", "BATCHFIT_MAX_BATCH_SIZE"} <= env.keys()
+    assert int(env["BATCHFIT_BATCH_SIZE"]) <= int(env["BATCHFIT_MAX_BATCH_SIZE"])
 
 
 # --- the flags' rules, checked before uvicorn starts ---------------------------------------------------------

@@ -1,0 +1,298 @@
+"""Kubernetes: the scheduler extender and the admission webhook on recorded wire-format bodies (tests/k8s/),
+answered by the real service (worker pool, cache) and checked against POST /estimate's own numbers."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import json
+import math
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import jsonpatch
+import pytest
+from fastapi.testclient import TestClient
+
+from app.main import create_app
+from app.settings import Settings
+
+TIER = "service"
+BODIES = Path(__file__).parent / "k8s"
+RESERVE = 256 * 2**20  # planner.reserve_bytes' default (docs/API.md)
+
+
+def body(name: str) -> dict[str, Any]:
+    doc: dict[str, Any] = json.loads((BODIES / f"{name}.json").read_text())
+    return doc
+
+
+def spec_of(pod: dict[str, Any]) -> dict[str, Any]:
+    spec: dict[str, Any] = json.loads(pod["metadata"]["annotations"]["batchfit.io/spec"])
+    return spec
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("k8s") / "cache.sqlite"
+    app = create_app(Settings(workers=1, queue_size=8, cache_path=str(cache), request_timeout_s=300,
+                              k8s_deadline_s=30))
+    with TestClient(app) as c:
+        yield c
+
+
+def metric(client: TestClient, name: str) -> float:
+    """A sample's value in /metrics (0 when absent)."""
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def direct(client: TestClient, pod: dict[str, Any], gpus: list[str], batch: int | None) -> list[dict[str, Any]]:
+    """What POST /estimate answers for the pod's spec on ``gpus`` (as the k8s routes ask it: no suggestions)."""
+    request = spec_of(pod) | {"gpus": gpus, "batch_size": batch}
+    request["planner"] = {**request.get("planner", {}), "suggestions": False}
+    r = client.post("/estimate", json=request)
+    assert r.status_code == 200, r.text
+    results: list[dict[str, Any]] = r.json()["results"]
+    return results
+
+
+def usable(client: TestClient, name: str) -> int:
+    card = next(g for g in client.get("/gpus").json()["gpus"] if g["name"] == name)
+    return int(card["memory_bytes"] - card["context_bytes"] - RESERVE)
+
+
+def test_filter_three_nodes(client) -> None:
+    args = body("filter")
+    r = client.post("/k8s/filter", json=args)
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+    out = r.json()
+    assert set(out) == {"Nodes", "NodeNames", "FailedNodes", "FailedAndUnresolvableNodes", "Error"}
+    t4, a100, l4 = args["Nodes"]["items"]
+    assert out["Nodes"] == {"metadata": {}, "items": [a100, l4]}  # the passing nodes' objects, unchanged
+    assert out["NodeNames"] == ["gpu-a100-80-1", "gpu-l4-1"]
+    assert out["FailedNodes"] == {} and out["Error"] == ""
+    # batch 64 (batchfit.io/batch-size): the same numbers POST /estimate gives for the T4
+    (t4_result,) = direct(client, args["Pod"], ["T4-16GB"], 64)
+    need = t4_result["memory"]["reserved_peak_bytes"]
+    assert not t4_result["memory"]["fits"]
+    assert out["FailedAndUnresolvableNodes"] == {
+        "gpu-t4-1": f"needs {need / 2**30:.1f} GiB at batch 64; Tesla-T4 has {usable(client, 'T4-16GB') / 2**30:.1f} "
+                    "GiB usable"}
+    assert re.fullmatch(r"needs \d+\.\d GiB at batch 64; Tesla-T4 has \d+\.\d GiB usable",
+                        out["FailedAndUnresolvableNodes"]["gpu-t4-1"])
+
+
+def test_filter_without_a_batch_fails_where_batch_1_does_not_fit(client) -> None:
+    args = body("filter")
+    del args["Pod"]["metadata"]["annotations"]["batchfit.io/batch-size"]
+    out = client.post("/k8s/filter", json=args).json()
+    assert out["NodeNames"] == ["gpu-a100-80-1", "gpu-l4-1"]  # L4 holds batch 1 (not 64's headroom: it passes)
+    (t4_result,) = direct(client, args["Pod"], ["T4-16GB"], None)
+    assert t4_result["max_batch_size"] is None
+    assert out["FailedAndUnresolvableNodes"]["gpu-t4-1"].startswith(
+        f"needs {t4_result['memory']['reserved_peak_bytes'] / 2**30:.1f} GiB at batch 1; Tesla-T4 has ")
+
+
+def test_prioritize_scores_headroom(client) -> None:
+    args = body("prioritize")
+    r = client.post("/k8s/prioritize", json=args)
+    assert r.status_code == 200
+    out = r.json()
+    a100, l4 = direct(client, args["Pod"], ["A100-80GB", "L4-24GB"], 64)
+    room = {"gpu-a100-80-1": usable(client, "A100-80GB") - a100["memory"]["reserved_peak_bytes"],
+            "gpu-l4-1": usable(client, "L4-24GB") - l4["memory"]["reserved_peak_bytes"]}
+    assert room["gpu-a100-80-1"] > room["gpu-l4-1"] > 0
+    best = max(room.values())
+    assert out == [{"Host": host, "Score": math.floor(10 * v / best + 0.5)} for host, v in room.items()]
+    assert out[0]["Score"] == 10 and 0 <= out[1]["Score"] < 10
+
+
+def test_prioritize_without_a_batch_scores_the_max_batch(client) -> None:
+    args = body("prioritize")
+    del args["Pod"]["metadata"]["annotations"]["batchfit.io/batch-size"]
+    out = client.post("/k8s/prioritize", json=args).json()
+    a100, l4 = direct(client, args["Pod"], ["A100-80GB", "L4-24GB"], None)
+    assert out == [{"Host": "gpu-a100-80-1", "Score": 10},
+                   {"Host": "gpu-l4-1", "Score": math.floor(10 * l4["max_batch_size"] / a100["max_batch_size"] + 0.5)}]
+
+
+def test_a_pod_without_the_spec_and_a_node_without_gpu_labels_pass_untouched(client) -> None:
+    started = metric(client, "batchfit_k8s_estimates_total")
+    args = body("filter")
+    del args["Pod"]["metadata"]["annotations"]["batchfit.io/spec"]
+    out = client.post("/k8s/filter", json=args).json()
+    assert out["Nodes"]["items"] == args["Nodes"]["items"] and out["FailedAndUnresolvableNodes"] == {}
+    scores = client.post("/k8s/prioritize", json=args).json()
+    assert scores == [{"Host": n["metadata"]["name"], "Score": 0} for n in args["Nodes"]["items"]]
+    assert metric(client, "batchfit_k8s_estimates_total") == started  # nothing was estimated
+    assert metric(client, 'batchfit_k8s_calls_total{outcome="not-opted-in",verb="filter"}') >= 1
+    cpu = copy.deepcopy(body("filter"))
+    node = cpu["Nodes"]["items"][0]
+    node["metadata"]["name"] = "cpu-1"
+    node["metadata"]["labels"] = {k: v for k, v in node["metadata"]["labels"].items() if "nvidia.com" not in k}
+    out = client.post("/k8s/filter", json=cpu).json()
+    assert "cpu-1" in out["NodeNames"] and "cpu-1" not in out["FailedAndUnresolvableNodes"]
+
+
+def test_an_unknown_card_with_a_memory_label_is_a_custom_card(client) -> None:
+    args = body("filter")
+    big, small, unnamed = copy.deepcopy(args["Nodes"]["items"][:3])
+    for node, product, memory in ((big, "NVIDIA-B200", "183359"), (small, "NVIDIA-RTX-A2000", "6138"),
+                                  (unnamed, "NVIDIA-Mystery", None)):
+        node["metadata"]["name"] = product.lower()
+        node["metadata"]["labels"]["nvidia.com/gpu.product"] = product
+        node["metadata"]["labels"].pop("nvidia.com/gpu.memory")
+        if memory:
+            node["metadata"]["labels"]["nvidia.com/gpu.memory"] = memory
+    args["Nodes"]["items"] = [big, small, unnamed]
+    out = client.post("/k8s/filter", json=args).json()
+    assert out["NodeNames"] == ["nvidia-b200", "nvidia-mystery"]  # no memory label: nobody can size it, it passes
+    reason = out["FailedAndUnresolvableNodes"]["nvidia-rtx-a2000"]  # 6138 MiB less the default 450 MiB context
+    assert reason.endswith(f"; NVIDIA-RTX-A2000 has {((6138 - 450) * 2**20 - RESERVE) / 2**30:.1f} GiB usable")
+
+
+def test_a_bad_spec_annotation_passes_every_node(client) -> None:
+    args = body("filter")
+    unknown = {"model": {"source": "torchvision", "name": "resnet5"}}
+    args["Pod"]["metadata"]["annotations"]["batchfit.io/spec"] = json.dumps(unknown)
+    errors = metric(client, 'batchfit_k8s_calls_total{outcome="error",verb="filter"}')
+    out = client.post("/k8s/filter", json=args).json()
+    assert out["NodeNames"] == ["gpu-t4-1", "gpu-a100-80-1", "gpu-l4-1"] and out["FailedAndUnresolvableNodes"] == {}
+    assert out["Error"] == ""  # an Error would fail the scheduling attempt: a pod's own mistake never does
+    assert metric(client, 'batchfit_k8s_calls_total{outcome="error",verb="filter"}') == errors + 1
+    args["Pod"]["metadata"]["annotations"]["batchfit.io/spec"] = "{not json"
+    assert client.post("/k8s/filter", json=args).json()["NodeNames"] == ["gpu-t4-1", "gpu-a100-80-1", "gpu-l4-1"]
+
+
+def test_not_extender_args_is_a_problem(client) -> None:
+    r = client.post("/k8s/filter", json={"pod": {}})
+    assert r.status_code == 422 and r.json()["field"] == "Pod"
+    r = client.post("/k8s/filter", content=b"{nope", headers={"content-type": "application/json"})
+    assert r.status_code in (400, 422) and r.json()["field"] == "(body)"
+    r = client.post("/k8s/mutate", json={"apiVersion": "admission.k8s.io/v1beta1", "kind": "AdmissionReview",
+                                         "request": {"uid": "x"}})
+    assert r.status_code == 422 and r.json()["field"] == "apiVersion"
+
+
+def decoded(response: dict[str, Any]) -> list[dict[str, Any]]:
+    assert response["patchType"] == "JSONPatch"
+    ops: list[dict[str, Any]] = json.loads(base64.b64decode(response["patch"]))
+    return ops
+
+
+def env_of(container: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in container.get("env") or []}
+
+
+def test_mutate_a_pinned_pod(client) -> None:
+    review = body("admission_pinned")
+    r = client.post("/k8s/mutate", json=review)
+    assert r.status_code == 200
+    out = r.json()
+    assert out["apiVersion"] == "admission.k8s.io/v1" and out["kind"] == "AdmissionReview"
+    response = out["response"]
+    assert response["uid"] == review["request"]["uid"] and response["allowed"] is True
+    assert "warnings" not in response
+    pod = review["request"]["object"]
+    patched = jsonpatch.apply_patch(pod, decoded(response))
+    (a100,) = direct(client, pod, ["A100-80GB"], None)
+    plan = a100["accumulation"]  # planner.target_global_batch 4096
+    assert plan["micro_batch"] * plan["steps"] >= 4096
+    trainer, shipper = patched["spec"]["containers"]
+    assert env_of(trainer) == {"NCCL_DEBUG": "WARN", "BATCHFIT_BATCH_SIZE": str(plan["micro_batch"]),
+                               "BATCHFIT_GRAD_ACCUM": str(plan["steps"]),
+                               "BATCHFIT_MAX_BATCH_SIZE": str(a100["max_batch_size"])}
+    assert "env" not in shipper  # it requests no GPU
+    summary = patched["metadata"]["annotations"]["batchfit.io/estimate"]
+    assert "\n" not in summary and summary.startswith(
+        f"NVIDIA-A100-SXM4-80GB: batch {plan['micro_batch']} x {plan['steps']} accumulation steps, "
+        f"max {a100['max_batch_size']}")
+    # everything else is as it was
+    patched["spec"]["containers"][0]["env"] = pod["spec"]["containers"][0]["env"]
+    del patched["metadata"]["annotations"]["batchfit.io/estimate"]
+    assert patched == pod
+
+
+def test_mutate_with_a_batch_replaces_existing_variables(client) -> None:
+    review = body("admission_pinned")
+    pod = review["request"]["object"]
+    pod["metadata"]["annotations"]["batchfit.io/batch-size"] = "100"
+    pod["spec"]["containers"][0]["env"].append({"name": "BATCHFIT_BATCH_SIZE", "value": "7"})
+    del pod["spec"]["containers"][1]["resources"]
+    pod["spec"]["containers"][1]["resources"] = {"limits": {"nvidia.com/gpu": "1"}}  # a second GPU container
+    response = client.post("/k8s/mutate", json=review).json()["response"]
+    patched = jsonpatch.apply_patch(pod, decoded(response))
+    (a100,) = direct(client, pod, ["A100-80GB"], 100)
+    steps = math.ceil(4096 / 100)
+    for container in patched["spec"]["containers"]:
+        env = env_of(container)
+        assert env["BATCHFIT_BATCH_SIZE"] == "100" and env["BATCHFIT_GRAD_ACCUM"] == str(steps)
+        assert env["BATCHFIT_MAX_BATCH_SIZE"] == str(a100["max_batch_size"])
+    assert [e["name"] for e in patched["spec"]["containers"][0]["env"]].count("BATCHFIT_BATCH_SIZE") == 1
+
+
+def test_mutate_an_unpinned_pod_leaves_it_unchanged(client) -> None:
+    review = body("admission_unpinned")
+    response = client.post("/k8s/mutate", json=review).json()["response"]
+    assert response["uid"] == review["request"]["uid"] and response["allowed"] is True
+    assert "patch" not in response and "patchType" not in response
+    (warning,) = response["warnings"]
+    assert warning.startswith("batchfit: not changed: the pod is not pinned to a GPU type") and len(warning) <= 256
+    review["request"]["object"]["metadata"]["annotations"]["batchfit.io/gpu"] = "NVIDIA-Z9000"
+    (warning,) = client.post("/k8s/mutate", json=review).json()["response"]["warnings"]
+    assert warning == "batchfit: not changed: NVIDIA-Z9000 is not a card batchfit knows"
+
+
+def test_mutate_an_unfit_pod(client) -> None:
+    review = body("admission_unfit")  # required node affinity: Tesla-T4
+    pod = review["request"]["object"]
+    response = client.post("/k8s/mutate", json=review).json()["response"]
+    (t4,) = direct(client, pod, ["T4-16GB"], None)
+    assert t4["max_batch_size"] is None
+    need, room = t4["memory"]["reserved_peak_bytes"] / 2**30, usable(client, "T4-16GB") / 2**30
+    message = (f"batchfit: the job does not fit Tesla-T4 even at batch 1: it needs {need:.1f} GiB at batch 1; "
+               f"Tesla-T4 has {room:.1f} GiB usable")
+    assert response["allowed"] is True and response["warnings"] == [message]
+    patched = jsonpatch.apply_patch(pod, decoded(response))
+    assert all(env_of(c).keys() <= {"NCCL_DEBUG"} for c in patched["spec"]["containers"])  # no batch to give
+    assert patched["metadata"]["annotations"]["batchfit.io/estimate"].startswith("Tesla-T4: does not fit (needs ")
+    app = client.app
+    settings = app.state.settings
+    app.state.settings = settings.model_copy(update={"webhook_deny_unfit": True})
+    try:
+        denied = client.post("/k8s/mutate", json=review).json()["response"]
+    finally:
+        app.state.settings = settings
+    assert denied == {"uid": review["request"]["uid"], "allowed": False,
+                      "status": {"code": 403, "reason": "Forbidden", "message": message}}
+
+
+def test_a_late_estimate_passes_every_node_and_the_retry_hits(tmp_path) -> None:
+    """The miss path: the call answers at its deadline, while the estimate is still running; the estimate
+    goes on in the background, and the scheduler's next attempt gets the real answer from it."""
+    app = create_app(Settings(workers=1, queue_size=8, cache_path=str(tmp_path / "c.sqlite"), request_timeout_s=300,
+                              k8s_deadline_s=0.2))
+    args = body("filter")
+    with TestClient(app) as late:
+        first = late.post("/k8s/filter", json=args).json()
+        running = set(app.state.k8s._pending.values())  # one job for the three cards, outliving the call
+        assert len(running) == 1 and not next(iter(running)).done()
+        assert first["NodeNames"] == ["gpu-t4-1", "gpu-a100-80-1", "gpu-l4-1"]
+        assert first["FailedAndUnresolvableNodes"] == {}
+        assert metric(late, 'batchfit_k8s_late_total{verb="filter"}') == 1
+        scores = late.post("/k8s/prioritize", json=body("prioritize")).json()  # a subset of the same cards
+        assert all(s["Score"] == 0 for s in scores)
+        for _ in range(600):
+            if not app.state.k8s._pending:
+                break
+            time.sleep(0.5)
+        retry = late.post("/k8s/filter", json=args).json()
+        assert retry["NodeNames"] == ["gpu-a100-80-1", "gpu-l4-1"] and list(retry["FailedAndUnresolvableNodes"]) == [
+            "gpu-t4-1"]
+        assert metric(late, "batchfit_k8s_estimates_total") == 1  # one job served every call
+        assert metric(late, 'batchfit_k8s_calls_total{outcome="answered",verb="filter"}') == 1
