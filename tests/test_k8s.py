@@ -108,8 +108,8 @@ def test_prioritize_scores_headroom(client) -> None:
             "gpu-l4-1": usable(client, "L4-24GB") - l4["memory"]["reserved_peak_bytes"]}
     assert room["gpu-a100-80-1"] > room["gpu-l4-1"] > 0
     best = max(room.values())
-    assert out == [{"Host": host, "Score": math.floor(10 * v / best + 0.5)} for host, v in room.items()]
-    assert out[0]["Score"] == 10 and 0 <= out[1]["Score"] < 10
+    assert out == [{"Host": host, "Score": max(1, math.floor(10 * v / best + 0.5))} for host, v in room.items()]
+    assert out[0]["Score"] == 10 and 1 <= out[1]["Score"] < 10  # the L4 fits: never the 0 of a node that does not
 
 
 def test_prioritize_without_a_batch_scores_the_max_batch(client) -> None:
@@ -118,7 +118,8 @@ def test_prioritize_without_a_batch_scores_the_max_batch(client) -> None:
     out = client.post("/k8s/prioritize", json=args).json()
     a100, l4 = direct(client, args["Pod"], ["A100-80GB", "L4-24GB"], None)
     assert out == [{"Host": "gpu-a100-80-1", "Score": 10},
-                   {"Host": "gpu-l4-1", "Score": math.floor(10 * l4["max_batch_size"] / a100["max_batch_size"] + 0.5)}]
+                   {"Host": "gpu-l4-1",
+                    "Score": max(1, math.floor(10 * l4["max_batch_size"] / a100["max_batch_size"] + 0.5))}]
 
 
 def test_a_pod_without_the_spec_and_a_node_without_gpu_labels_pass_untouched(client) -> None:
@@ -209,9 +210,8 @@ def test_mutate_a_pinned_pod(client) -> None:
                                "BATCHFIT_MAX_BATCH_SIZE": str(a100["max_batch_size"])}
     assert "env" not in shipper  # it requests no GPU
     summary = patched["metadata"]["annotations"]["batchfit.io/estimate"]
-    assert "\n" not in summary and summary.startswith(
-        f"NVIDIA-A100-SXM4-80GB: batch {plan['micro_batch']} x {plan['steps']} accumulation steps, "
-        f"max {a100['max_batch_size']}")
+    assert summary == (f"NVIDIA-A100-SXM4-80GB: batch {plan['micro_batch']} x {plan['steps']} accumulation steps "
+                       f"(recommended {a100['recommended_batch_size']}, max {a100['max_batch_size']}); batchfit 0.5.0")
     # everything else is as it was
     patched["spec"]["containers"][0]["env"] = pod["spec"]["containers"][0]["env"]
     del patched["metadata"]["annotations"]["batchfit.io/estimate"]
@@ -234,6 +234,10 @@ def test_mutate_with_a_batch_replaces_existing_variables(client) -> None:
         assert env["BATCHFIT_BATCH_SIZE"] == "100" and env["BATCHFIT_GRAD_ACCUM"] == str(steps)
         assert env["BATCHFIT_MAX_BATCH_SIZE"] == str(a100["max_batch_size"])
     assert [e["name"] for e in patched["spec"]["containers"][0]["env"]].count("BATCHFIT_BATCH_SIZE") == 1
+    need, room = a100["memory"]["reserved_peak_bytes"] / 2**30, usable(client, "A100-80GB") / 2**30
+    assert patched["metadata"]["annotations"]["batchfit.io/estimate"] == (
+        f"NVIDIA-A100-SXM4-80GB: batch 100 x {steps} accumulation steps ({need:.1f} GiB of {room:.1f} GiB usable; "
+        f"max {a100['max_batch_size']}); batchfit 0.5.0")
 
 
 def test_mutate_an_unpinned_pod_leaves_it_unchanged(client) -> None:

@@ -89,3 +89,15 @@ def test_the_core_imports_no_torch(module: str) -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+APP = Path(__file__).resolve().parents[1] / "app"
+
+
+def test_the_service_process_loads_no_torch() -> None:
+    """torch loads in the workers only: the API process (app.main with its Kubernetes routes) stays small."""
+    code = "import sys, app.main, app.k8s.routes; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=APP.parent)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

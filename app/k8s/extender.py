@@ -55,14 +55,14 @@ async def filter_nodes(args: dict[str, Any], estimates: Estimates, deadline: flo
 
 async def prioritize_nodes(args: dict[str, Any], estimates: Estimates, deadline: float) -> list[dict[str, Any]]:
     """A ``HostPriorityList`` for ``ExtenderArgs``: 0-10 per node, proportional to its headroom at the pod's
-    batch (usable - reserved peak), or to its max batch when the pod gives none; 0 for a node that does not fit
-    or has no answer."""
+    batch (usable - reserved peak), or to its max batch when the pod gives none, the best node 10 and every
+    node that fits at least 1; 0 for a node that does not fit or has no answer."""
     items = [mapping(n) for n in listing(mapping(args.get("Nodes")).get("items"))]
     hosts = [node_name(n) for n in items] or [n for n in listing(args.get("NodeNames")) if isinstance(n, str)]
     judged, batch_given = await _judge(args, items, estimates, deadline, "prioritize")
     values = {host: _merit(judged[host], batch_given) if host in judged else 0 for host in hosts}
     best = max(values.values(), default=0)
-    return [{"Host": host, "Score": math.floor(MAX_SCORE * value / best + 0.5) if best > 0 else 0}
+    return [{"Host": host, "Score": max(1, math.floor(MAX_SCORE * value / best + 0.5)) if value > 0 else 0}
             for host, value in values.items()]
 
 

@@ -157,9 +157,16 @@ def _decide(answers: list[Answer], training: TrainingPod, pod: dict[str, Any], d
         env[ENV_ACCUM] = str(steps)
     cards = " / ".join(a.card.label for a in answers)
     accum = f" x {steps} accumulation steps" if steps is not None else ""
-    summary = (f"{cards}: batch {batch}{accum}, max {max_batch} ({limiting.card.label}: "
-               f"{gib_bytes(limiting.need_bytes)} at batch {limiting.memory['batch_size']} of "
-               f"{gib_usable(limiting)} usable); batchfit {__version__}")
+    on = f" on {limiting.card.label}" if len(answers) > 1 else ""
+    if training.batch is not None:
+        at = max(answers, key=lambda a: a.need_bytes / max(a.usable_bytes, 1))
+        detail = (f"{gib_bytes(at.need_bytes)} of {gib_usable(at)} usable"
+                  f"{f' on {at.card.label}' if len(answers) > 1 else ''}; max {max_batch}{on}")
+    else:
+        recommended = min((int(a.result["recommended_batch_size"]) for a in answers
+                           if a.result["recommended_batch_size"] is not None), default=None)
+        detail = f"recommended {recommended}, max {max_batch}{on}"
+    summary = f"{cards}: batch {batch}{accum} ({detail}); batchfit {__version__}"
     return _patched(pod, [(i, env) for i in training.gpu_containers], summary, warnings)
 
 
