@@ -163,9 +163,9 @@ def _decide(answers: list[Answer], training: TrainingPod, pod: dict[str, Any], d
         detail = (f"{gib_bytes(at.need_bytes)} of {gib_usable(at)} usable"
                   f"{f' on {at.card.label}' if len(answers) > 1 else ''}; max {max_batch}{on}")
     else:
-        recommended = min((int(a.result["recommended_batch_size"]) for a in answers
-                           if a.result["recommended_batch_size"] is not None), default=None)
-        detail = f"recommended {recommended}, max {max_batch}{on}"
+        lowest = min((int(a.result["recommended_batch_size"]) for a in answers
+                      if a.result["recommended_batch_size"] is not None), default=None)
+        detail = f"recommended {lowest if lowest is not None else 'none'}, max {max_batch}{on}"
     summary = f"{cards}: batch {batch}{accum} ({detail}); batchfit {__version__}"
     return _patched(pod, [(i, env) for i in training.gpu_containers], summary, warnings)
 
