@@ -300,3 +300,27 @@ def test_a_late_estimate_passes_every_node_and_the_retry_hits(tmp_path) -> None:
             "gpu-t4-1"]
         assert metric(late, "batchfit_k8s_estimates_total") == 1  # one job served every call
         assert metric(late, 'batchfit_k8s_calls_total{outcome="answered",verb="filter"}') == 1
+
+
+def test_keys_and_body_limits_of_the_k8s_routes(tmp_path) -> None:
+    """With API keys set, the /k8s/ routes need one like the others unless BATCHFIT_K8S_WITHOUT_KEY; their bodies
+    (every candidate node's object) may be larger than /estimate's, up to BATCHFIT_K8S_MAX_BODY_BYTES."""
+    args = body("filter")
+    del args["Pod"]["metadata"]["annotations"]["batchfit.io/spec"]  # nothing to estimate: no worker needed
+    for without_key, status in ((False, 401), (True, 200)):
+        settings = Settings(workers=1, cache_path="", api_keys="k1", k8s_without_key=without_key)
+        with TestClient(create_app(settings, start_workers=False)) as c:
+            assert c.post("/k8s/filter", json=args).status_code == status
+            assert c.post("/k8s/filter", json=args, headers={"Authorization": "Bearer k1"}).status_code == 200
+            assert c.post("/estimate", json={}).status_code == 401  # the other routes still need the key
+    big = {**args, "Nodes": {"metadata": {}, "items": args["Nodes"]["items"] * 200}}  # 600 nodes, ~2.4 MB
+    settings = Settings(workers=1, cache_path="", max_body_bytes=2**20, k8s_max_body_bytes=2**23)
+    with TestClient(create_app(settings, start_workers=False)) as c:
+        r = c.post("/k8s/filter", json=big)
+        assert r.status_code == 200 and len(r.json()["Nodes"]["items"]) == 600
+        assert c.post("/estimate", content=json.dumps(big), headers={"content-type": "application/json"}
+                      ).status_code == 413
+    settings = Settings(workers=1, cache_path="", k8s_max_body_bytes=2**20)
+    with TestClient(create_app(settings, start_workers=False)) as c:
+        r = c.post("/k8s/filter", json=big)
+        assert r.status_code == 413 and "BATCHFIT_K8S_MAX_BODY_BYTES" in r.json()["detail"]
