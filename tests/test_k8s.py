@@ -154,7 +154,9 @@ def test_an_unknown_card_with_a_memory_label_is_a_custom_card(client) -> None:
     out = client.post("/k8s/filter", json=args).json()
     assert out["NodeNames"] == ["nvidia-b200", "nvidia-mystery"]  # no memory label: nobody can size it, it passes
     reason = out["FailedAndUnresolvableNodes"]["nvidia-rtx-a2000"]  # 6138 MiB less the default 450 MiB context
-    assert reason.endswith(f"; NVIDIA-RTX-A2000 has {((6138 - 450) * 2**20 - RESERVE) / 2**30:.1f} GiB usable")
+    assert reason.endswith(f"; NVIDIA-RTX-A2000 has {((6138 - 450) * 2**20 - RESERVE) / 2**30:.1f} GiB usable "
+                           "(not in batchfit's catalog: 6138 MiB from nvidia.com/gpu.memory, a 450 MiB CUDA context "
+                           "assumed)")
 
 
 def test_a_bad_spec_annotation_passes_every_node(client) -> None:

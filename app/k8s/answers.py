@@ -63,7 +63,8 @@ class Answer:
         need, usable = gib(self.need_bytes), gib(self.usable_bytes)
         if need == usable:  # rounded alike: show the difference
             need, usable = gib(self.need_bytes, 3), gib(self.usable_bytes, 3)
-        return f"needs {need} GiB at batch {self.memory['batch_size']}; {self.card.label} has {usable} GiB usable"
+        note = f" ({self.card.note})" if self.card.note else ""
+        return f"needs {need} GiB at batch {self.memory['batch_size']}; {self.card.label} has {usable} GiB usable{note}"
 
 
 @dataclass(frozen=True)

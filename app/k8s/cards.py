@@ -47,6 +47,7 @@ class Card:
     gpu: GPU
     entry: str | dict[str, Any]
     assumption: str | None = None
+    note: str | None = None  # the assumption in a few words, for one-line reasons
 
     @property
     def key(self) -> str:
@@ -109,4 +110,6 @@ def _custom(label: str, memory_mib: str | None, memory_label: str, labels: dict[
                   "(the default for unknown cards)")
     entry = {"name": name, "memory_bytes": memory, "compute_capability": capability,
              "context_bytes": DEFAULT_CONTEXT_BYTES}
-    return Card(label, gpu, entry, assumption)
+    note = (f"not in batchfit's catalog: {int(memory_mib)} MiB from {memory_label}, "
+            f"a {DEFAULT_CONTEXT_BYTES // MIB} MiB CUDA context assumed")
+    return Card(label, gpu, entry, assumption, note)

@@ -99,6 +99,9 @@ async def _judge(args: dict[str, Any], items: list[dict[str, Any]], estimates: E
         card = node_card(labels, training.mig_profile) if is_gpu_node(labels) else None
         if card is not None:
             cards[node_name(node)] = card
+            if card.assumption is not None:
+                logs.log("k8s-custom-card", verb=verb, pod=training.name, node=node_name(node),
+                         assumption=card.assumption)
     found, late = await estimates.answers(training.request, cards.values(), deadline, verb)
     judged: dict[str, Answer] = {}
     for name, card in cards.items():
