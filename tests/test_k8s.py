@@ -326,3 +326,84 @@ def test_keys_and_body_limits_of_the_k8s_routes(tmp_path) -> None:
     with TestClient(create_app(settings, start_workers=False)) as c:
         r = c.post("/k8s/filter", json=big)
         assert r.status_code == 413 and "BATCHFIT_K8S_MAX_BODY_BYTES" in r.json()["detail"]
+
+
+def test_a_card_out_of_range_fails_alone(client) -> None:
+    """A node whose memory label no custom card can have is not judged; the other nodes still are."""
+    args = body("filter")
+    odd = copy.deepcopy(args["Nodes"]["items"][0])
+    odd["metadata"]["name"] = "odd"
+    odd["metadata"]["labels"].update({"nvidia.com/gpu.product": "NVIDIA-Odd", "nvidia.com/gpu.memory": "20000000"})
+    args["Nodes"]["items"].append(odd)
+    out = client.post("/k8s/filter", json=args).json()
+    assert out["NodeNames"] == ["gpu-a100-80-1", "gpu-l4-1", "odd"] and list(out["FailedAndUnresolvableNodes"]) == [
+        "gpu-t4-1"]
+
+
+def test_a_refused_estimate_is_remembered(client) -> None:
+    """An estimate the estimator refuses is not started again by the next call (FAILURE_TTL_S)."""
+    args = body("filter")
+    spec = spec_of(args["Pod"]) | {"input": {"image_size": [1, 64, 64]}}  # 1 channel into a 3-channel stem
+    args["Pod"]["metadata"]["annotations"]["batchfit.io/spec"] = json.dumps(spec)
+    first = client.post("/k8s/filter", json=args).json()
+    started = metric(client, "batchfit_k8s_estimates_total")
+    second = client.post("/k8s/filter", json=args).json()
+    assert first["NodeNames"] == second["NodeNames"] == ["gpu-t4-1", "gpu-a100-80-1", "gpu-l4-1"]
+    assert metric(client, "batchfit_k8s_estimates_total") == started
+
+
+def test_mutate_with_several_candidate_cards(client) -> None:
+    """Required node affinity on the T4 or the A100: the job does not fit the T4 even at batch 1, so the batch is
+    the A100's, with a warning naming the T4; even with BATCHFIT_WEBHOOK_DENY_UNFIT the pod is allowed."""
+    review = body("admission_unfit")
+    pod = review["request"]["object"]
+    term = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"][0]["matchExpressions"][0]
+    term["values"] = ["Tesla-T4", "NVIDIA-A100-SXM4-80GB"]
+    app = client.app
+    settings = app.state.settings
+    app.state.settings = settings.model_copy(update={"webhook_deny_unfit": True})
+    try:
+        response = client.post("/k8s/mutate", json=review).json()["response"]
+    finally:
+        app.state.settings = settings
+    assert response["allowed"] is True
+    (warning,) = response["warnings"]
+    assert warning.startswith("batchfit: the job does not fit Tesla-T4 even at batch 1: it needs ")
+    (a100,) = direct(client, pod, ["A100-80GB"], None)
+    env = env_of(jsonpatch.apply_patch(pod, decoded(response))["spec"]["containers"][0])
+    assert env["BATCHFIT_BATCH_SIZE"] == str(a100["accumulation"]["micro_batch"])
+    assert env["BATCHFIT_MAX_BATCH_SIZE"] == str(a100["max_batch_size"])
+
+
+def test_mutate_an_unfit_pod_with_a_batch(client) -> None:
+    review = body("admission_unfit")
+    pod = review["request"]["object"]
+    pod["metadata"]["annotations"]["batchfit.io/batch-size"] = "64"
+    (warning,) = client.post("/k8s/mutate", json=review).json()["response"]["warnings"]
+    (t4,) = direct(client, pod, ["T4-16GB"], 64)
+    need = t4["memory"]["reserved_peak_bytes"] / 2**30
+    assert warning.startswith(f"batchfit: the job does not fit Tesla-T4 even at batch 1 (at the pod's batch it "
+                              f"needs {need:.1f} GiB at batch 64; Tesla-T4 has ")
+
+
+@pytest.mark.parametrize("key, value", [
+    ("batchfit.io/batch-size", "\u00b2"), ("batchfit.io/batch-size", "0" * 5000 + "1"),
+    ("batchfit.io/spec", "[" * 50000), ("batchfit.io/spec", '{"model": ' + "1" * 5000 + "}"),
+    ("batchfit.io/gpu", "nvidia.com/mig-1g.10gb"),
+])
+def test_hostile_annotations_pass_without_a_500(client, key, value) -> None:
+    args = body("filter")
+    args["Pod"]["metadata"]["annotations"][key] = value
+    r = client.post("/k8s/filter", json=args)
+    assert r.status_code == 200 and r.json()["Error"] == ""
+    review = body("admission_unpinned")
+    review["request"]["object"]["metadata"]["annotations"][key] = value
+    r = client.post("/k8s/mutate", json=review)
+    assert r.status_code == 200 and r.json()["response"]["allowed"] is True
+    (warning,) = r.json()["response"]["warnings"]
+    if key == "batchfit.io/gpu":  # a MIG resource on two cards names them
+        assert warning == ("batchfit: not changed: nvidia.com/mig-1g.10gb is on several cards (A100-80GB-MIG-1g.10gb, "
+                           "H100-80GB-MIG-1g.10gb): pin the product")
+    else:
+        assert warning.startswith(f"batchfit: not changed: annotations[{key}]")

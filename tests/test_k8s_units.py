@@ -63,7 +63,7 @@ def test_node_cards() -> None:
     assert node_card({"nvidia.com/gpu.product": "NVIDIA-B200"}) is None  # no memory label: cannot size it
     bare = node_card({"nvidia.com/gpu.product": "NVIDIA-B200", "nvidia.com/gpu.memory": "183359"})
     assert bare is not None and bare.entry["compute_capability"] == "8.0" and "the default" in str(bare.assumption)
-    for junk in ("", "-1", "12GiB", "0"):
+    for junk in ("", "-1", "12GiB", "0", "\u00b2", "20000000", "9" * 5000):  # out of a custom card's range too
         assert node_card({"nvidia.com/gpu.product": "X", "nvidia.com/gpu.memory": junk}) is None
 
 
@@ -95,6 +95,14 @@ def test_training_pod_reads_its_annotations() -> None:
     ({"batchfit.io/spec": SPEC, "batchfit.io/batch-size": "0"}, "annotations[batchfit.io/batch-size]"),
     ({"batchfit.io/spec": SPEC, "batchfit.io/batch-size": "eight"}, "annotations[batchfit.io/batch-size]"),
     ({"batchfit.io/spec": SPEC, "batchfit.io/batch-size": "9" * 40}, "annotations[batchfit.io/batch-size]"),
+    ({"batchfit.io/spec": SPEC, "batchfit.io/batch-size": "\u00b2"}, "annotations[batchfit.io/batch-size]"),  # digit
+    ({"batchfit.io/spec": SPEC, "batchfit.io/batch-size": "0" * 5000 + "1"}, "annotations[batchfit.io/batch-size]"),
+    ({"batchfit.io/spec": SPEC, "batchfit.io/batch-size": "0000000000019999999999"},
+     "annotations[batchfit.io/batch-size]"),
+    ({"batchfit.io/spec": SPEC, "batchfit.io/batch-size": str(2**20 + 1)}, "annotations[batchfit.io/batch-size]"),
+    ({"batchfit.io/spec": "[" * 50000}, "annotations[batchfit.io/spec]"),  # no RecursionError: nesting refused
+    ({"batchfit.io/spec": '{"model": ' + "1" * 5000 + "}"}, "annotations[batchfit.io/spec]"),  # nor int()'s limit
+    ({"batchfit.io/spec": json.dumps({**json.loads(SPEC), "planner": "x"})}, "annotations[batchfit.io/spec].planner"),
 ])
 def test_a_wrong_annotation_names_itself(annotations, field) -> None:
     with pytest.raises(SpecError) as info:
@@ -122,7 +130,8 @@ PRODUCT = "nvidia.com/gpu.product"
 
 def test_pins() -> None:
     assert pinned_products(_pod({"batchfit.io/gpu": "H100-80GB"}, {"nodeSelector": {PRODUCT: "Tesla-T4"}})) == [
-        "H100-80GB"]  # the annotation first
+        "Tesla-T4"]  # what places the pod first
+    assert pinned_products(_pod({"batchfit.io/gpu": "H100-80GB"}, {})) == ["H100-80GB"]
     assert pinned_products(_pod({}, {"nodeSelector": {PRODUCT: "Tesla-T4"}})) == ["Tesla-T4"]
     both = _affinity([{"key": PRODUCT, "operator": "In", "values": ["NVIDIA-L4", "Tesla-T4"]}],
                      [{"key": "zone", "operator": "In", "values": ["a"]},
@@ -154,3 +163,8 @@ def test_patch_ops_add_replace_and_escape() -> None:
     again = jsonpatch.apply_patch(patched, patch_ops(patched, [(0, env)], "newer"))  # reinvoked: replaced in place
     assert again["spec"]["containers"][0]["env"] == patched["spec"]["containers"][0]["env"]
     assert again["metadata"]["annotations"]["batchfit.io/estimate"] == "newer"
+
+
+def test_an_accepted_batch_annotation() -> None:
+    assert training_pod(_pod({"batchfit.io/spec": SPEC, "batchfit.io/batch-size": "0032"})).batch == 32
+    assert training_pod(_pod({"batchfit.io/spec": SPEC, "batchfit.io/batch-size": str(2**20)})).batch == 2**20

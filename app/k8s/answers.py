@@ -8,14 +8,15 @@ until its deadline. A job that is not done by then goes on in the background (``
 and its answers are stored per card, so the scheduler's next attempt, or the next pod with the same spec,
 finds them. Identical cards of concurrent callers share one job.
 
-Errors are answers too: a request the estimator refuses (an unknown model, a simulation that fails) is
-remembered for ``FAILURE_TTL_S``, so a retry does not start the same failing job again; a busy pool is not
-remembered (the next attempt tries again).
+Errors are answers too: a request the estimator refuses (an unknown model, a simulation that fails, a job past
+the worker's time or memory limit) is remembered for ``FAILURE_TTL_S``, so the next call does not start the
+same failing job again; a busy pool or a worker that died is not remembered (the next call tries again).
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -28,7 +29,7 @@ from app.k8s.cards import Card
 from app.routes import Refused, run_in_pool
 from app.worker import ReplyKind
 from estimator import EstimateRequest, parse_request
-from estimator.errors import BatchfitError
+from estimator.errors import BatchfitError, LimitExceeded, SpecError
 
 MEMORY_ENTRIES = 4096  # answers kept in this process besides the service's cache (which may be off)
 FAILURE_TTL_S = 300.0
@@ -59,7 +60,7 @@ class Answer:
         return int(self.memory["reserved_peak_bytes"])
 
     def shortfall(self) -> str:
-        """One line: ``needs 43.1 GiB at batch 32; NVIDIA-A100-SXM4-40GB has 39.4 GiB usable``."""
+        """One line: ``needs 21.7 GiB at batch 64; Tesla-T4 has 14.5 GiB usable``."""
         need, usable = gib(self.need_bytes), gib(self.usable_bytes)
         if need == usable:  # rounded alike: show the difference
             need, usable = gib(self.need_bytes, 3), gib(self.usable_bytes, 3)
@@ -115,6 +116,8 @@ class Estimates:
         done, _ = await asyncio.wait(waits, timeout=max(deadline - loop.time(), 0.0))
         by_key = {key: name for name, key in keys.items()}
         for task in done:
+            if task.cancelled():  # the app is stopping
+                continue
             for key, answer in task.result().items():
                 if key in by_key:
                     found[by_key[key]] = answer
@@ -146,24 +149,33 @@ class Estimates:
         return task
 
     async def _compute(self, request: EstimateRequest, cards: list[tuple[Card, str]]) -> Found:
-        """One worker job for ``cards``; every answer stored; never raises (a failure is an answer)."""
+        """One worker job for ``cards``; every answer stored; never raises (a failure is an answer). A card the
+        request refuses (a custom card out of range) fails alone, and the others are asked without it."""
         t0 = time.perf_counter()
         try:
             doc = request.model_dump(mode="json", by_alias=True)
             doc["gpus"] = [card.entry for card, _ in cards]
             job = parse_request(doc, allow_local_code=False)
+        except SpecError as exc:
+            bad = _card_index(exc.field, len(cards))
+            if bad is None:
+                return self._failed(cards, Failure(str(exc)))
+            alone = self._failed([cards[bad]], Failure(str(exc)))
+            rest = cards[:bad] + cards[bad + 1:]
+            return {**alone, **(await self._compute(request, rest) if rest else {})}
+        try:
             reply = await run_in_pool(self.app, job)
-        except Refused as refused:
-            return self._failed(cards, Failure(str(refused.error), transient=True))
+        except Refused as refused:  # a busy pool or a worker that died: the next call tries again
+            transient = not isinstance(refused.error, LimitExceeded)  # past a limit: it would be again
+            return self._failed(cards, Failure(str(refused.error), transient=transient))
         except BatchfitError as exc:
             return self._failed(cards, Failure(str(exc)))
         except Exception as exc:  # noqa: BLE001 - a defect: logged, and the caller passes every node
             logs.log("k8s-estimate-failed", error=repr(exc))
             return self._failed(cards, Failure(f"batchfit failed: {type(exc).__name__}: {exc}", transient=True))
-        if reply.kind == ReplyKind.ERROR:
-            return self._failed(cards, Failure(str(reply.error())))
-        if reply.kind != ReplyKind.OK:
-            return self._failed(cards, Failure(f"batchfit failed: {reply.payload}", transient=True))
+        if reply.kind != ReplyKind.OK:  # the estimator's refusal, or its defect (INTERNAL): the same again
+            message = str(reply.error()) if reply.kind == ReplyKind.ERROR else f"batchfit failed: {reply.payload}"
+            return self._failed(cards, Failure(message))
         out: Found = {}
         for (card, key), result in zip(cards, reply.payload["results"], strict=True):
             value = {"result": result, "usable_bytes": card.gpu.usable_bytes(job.planner.reserve_bytes)}
@@ -213,6 +225,12 @@ def card_key(request: EstimateRequest, card: Card) -> str:
     doc = request.model_dump(mode="json", by_alias=True)
     doc["gpus"] = [card.entry]
     return cache_key({"k8s-card": doc})
+
+
+def _card_index(field: str, count: int) -> int | None:
+    """``i`` when a request's error names ``gpus[i]`` (or a field inside it), else None."""
+    match = re.match(r"gpus\[(\d+)\]", field)
+    return int(match.group(1)) if match and int(match.group(1)) < count else None
 
 
 def _answer(card: Card, value: dict[str, Any]) -> Answer | Failure:

@@ -35,6 +35,7 @@ MEMORY = "nvidia.com/gpu.memory"
 COMPUTE_MAJOR, COMPUTE_MINOR = "nvidia.com/gpu.compute.major", "nvidia.com/gpu.compute.minor"
 GPU_RESOURCE = "nvidia.com/gpu"
 DEFAULT_COMPUTE_CAPABILITY = "8.0"  # custom cards' default (docs/API.md, gpus[])
+MIN_CUSTOM_BYTES, MAX_CUSTOM_BYTES = 2**20, 2**44  # a custom card's memory_bytes (estimator/request/spec.py)
 
 
 @dataclass(frozen=True)
@@ -95,21 +96,24 @@ def named_card(name: str) -> Card | None:
 
 def _custom(label: str, memory_mib: str | None, memory_label: str, labels: dict[str, str]) -> Card | None:
     """A card the catalog does not know, from a memory label in MiB; None without a usable one."""
-    if memory_mib is None or not memory_mib.strip().isdigit() or int(memory_mib) <= 0:
+    if memory_mib is None or not re.fullmatch(r"0*[1-9][0-9]{0,7}", memory_mib.strip()):
+        return None  # 1 MiB .. 99,999,999 MiB (a custom card's memory_bytes is at most 2^44 B = 16,777,216 MiB)
+    if not MIN_CUSTOM_BYTES <= int(memory_mib) * MIB <= MAX_CUSTOM_BYTES:
         return None
     name = label if re.fullmatch(CUSTOM_NAME_PATTERN, label) and custom_name_problem(label) is None \
-        else f"GPU-{int(memory_mib)}MiB"
+        else f"GPU-{int(memory_mib.strip())}MiB"
     major, minor = labels.get(COMPUTE_MAJOR, ""), labels.get(COMPUTE_MINOR, "")
-    given = major.isdigit() and minor.isdigit() and len(major) <= 2 and len(minor) == 1
+    given = bool(re.fullmatch(r"[0-9]{1,2}", major) and re.fullmatch(r"[0-9]", minor))
     capability = f"{int(major)}.{minor}" if given else DEFAULT_COMPUTE_CAPABILITY
-    memory = int(memory_mib) * MIB
+    memory = int(memory_mib.strip()) * MIB
     gpu = custom_gpu(name, memory, capability, DEFAULT_CONTEXT_BYTES)
     where = f"{COMPUTE_MAJOR}/minor" if given else "not labelled: the default"
-    assumption = (f"{label} is not in the catalog: a custom card of {int(memory_mib)} MiB ({memory_label}), "
+    assumption = (f"{label} is not in the catalog: a custom card of {int(memory_mib.strip())} MiB ({memory_label}), "
                   f"compute capability {capability} ({where}), CUDA context {DEFAULT_CONTEXT_BYTES // MIB} MiB "
                   "(the default for unknown cards)")
     entry = {"name": name, "memory_bytes": memory, "compute_capability": capability,
              "context_bytes": DEFAULT_CONTEXT_BYTES}
-    note = (f"not in batchfit's catalog: {int(memory_mib)} MiB from {memory_label}, "
+    mib = int(memory_mib.strip())
+    note = (f"not in batchfit's catalog: {mib} MiB from {memory_label}, "
             f"a {DEFAULT_CONTEXT_BYTES // MIB} MiB CUDA context assumed")
     return Card(label, gpu, entry, assumption, note)

@@ -15,6 +15,7 @@ deadline, and any error (scheduling is never blocked by batchfit).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -66,6 +67,22 @@ async def prioritize_nodes(args: dict[str, Any], estimates: Estimates, deadline:
             for host, value in values.items()]
 
 
+def passing_all(args: dict[str, Any]) -> dict[str, Any]:
+    """The filter answer that passes every node (a defect's fallback: scheduling is never blocked)."""
+    nodes = args.get("Nodes")
+    items = [mapping(n) for n in listing(mapping(nodes).get("items"))]
+    names = [node_name(n) for n in items] or [n for n in listing(args.get("NodeNames")) if isinstance(n, str)]
+    return {"Nodes": None if nodes is None else {**mapping(nodes), "items": items}, "NodeNames": names,
+            "FailedNodes": {}, "FailedAndUnresolvableNodes": {}, "Error": ""}
+
+
+def scoring_none(args: dict[str, Any]) -> list[dict[str, Any]]:
+    """Score 0 for every node (a defect's fallback)."""
+    items = [mapping(n) for n in listing(mapping(args.get("Nodes")).get("items"))]
+    hosts = [node_name(n) for n in items] or [n for n in listing(args.get("NodeNames")) if isinstance(n, str)]
+    return [{"Host": host, "Score": 0} for host in hosts]
+
+
 def _merit(answer: Answer, batch_given: bool) -> int:
     if not answer.fits:
         return 0
@@ -107,7 +124,7 @@ async def _judge(args: dict[str, Any], items: list[dict[str, Any]], estimates: E
     for name, card in cards.items():
         answer = found.get(card.key)
         if isinstance(answer, Answer):
-            judged[name] = answer
+            judged[name] = dataclasses.replace(answer, card=card)  # named as this node's labels name it
         elif answer is not None:
             logs.log("k8s-no-answer", verb=verb, pod=training.name, node=name, error=answer.message)
     outcome = "late" if late else "answered" if len(judged) == len(cards) else "error"

@@ -3,7 +3,8 @@
 - ``batchfit.io/spec``: a docs/API.md request without ``gpus`` (JSON). A pod without it is never filtered,
   ranked or mutated.
 - ``batchfit.io/batch-size``: the per-GPU batch the job will run (optional).
-- ``batchfit.io/gpu``: the card, when neither the node selector nor the node affinity pins one (optional).
+- ``batchfit.io/gpu``: the card, when neither the node selector nor required node affinity pins one
+  (optional; what places the pod comes first).
 
 Pods arrive as Kubernetes serializes them (camelCase, ``null`` for an empty map); only the fields read here
 are checked, so the rest of a pod is never a reason to refuse it.
@@ -12,18 +13,21 @@ are checked, so the rest of a pod is never a reason to refuse it.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from app.k8s.cards import GPU_RESOURCE, PRODUCT, mig_profile_of
+from app.shape import check_shape
 from estimator import EstimateRequest, parse_request
 from estimator.errors import SpecError
+from estimator.request.limits import MAX_BATCH  # docs/API.md, batch_size
 
 SPEC = "batchfit.io/spec"
 BATCH = "batchfit.io/batch-size"
 PIN = "batchfit.io/gpu"
 ESTIMATE = "batchfit.io/estimate"
-MAX_BATCH = 2**30  # docs/API.md, batch_size
+MAX_SPEC_CHARS = 2**18  # Kubernetes holds all of a pod's annotations to 256 KiB
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,12 @@ def training_pod(pod: dict[str, Any]) -> TrainingPod:
     raw = notes.get(SPEC)
     if not isinstance(raw, str):
         raise SpecError(f"annotations[{SPEC}]", raw, "a JSON object (docs/API.md request without 'gpus')")
+    if len(raw) > MAX_SPEC_CHARS:
+        raise SpecError(f"annotations[{SPEC}]", f"({len(raw)} characters)", f"at most {MAX_SPEC_CHARS} characters")
+    try:
+        check_shape(raw.encode())  # the limits of a POST /estimate body: nesting, items, number lengths
+    except SpecError as exc:
+        raise SpecError(f"annotations[{SPEC}]", exc.value, exc.expected) from None
     try:
         doc = json.loads(raw)
     except json.JSONDecodeError as exc:
@@ -81,8 +91,8 @@ def training_pod(pod: dict[str, Any]) -> TrainingPod:
     doc = {**doc, "gpus": ["A100-80GB"]}  # a stand-in: parsed here, replaced per node
     if batch is not None:
         doc["batch_size"] = batch
-    planner = mapping(doc.get("planner"))
-    if "suggestions" not in planner:  # the scheduler needs fit and headroom, not advice (docs/API.md, k8s)
+    planner = doc.get("planner", {})
+    if isinstance(planner, dict) and "suggestions" not in planner:  # fit and headroom, not advice (docs/API.md)
         doc["planner"] = {**planner, "suggestions": False}
     try:
         request = parse_request(doc, allow_local_code=False)
@@ -100,8 +110,9 @@ def batch_of(notes: dict[str, Any]) -> int | None:
     if raw is None:
         return None
     text = raw.strip() if isinstance(raw, str) else ""
-    if not text.isdigit() or not 1 <= int(text[:12]) <= MAX_BATCH:
-        raise SpecError(f"annotations[{BATCH}]", raw, f"a positive integer string up to {MAX_BATCH}, e.g. \"32\"")
+    if not re.fullmatch(r"[0-9]{1,10}", text) or not 1 <= int(text) <= MAX_BATCH:
+        shown = raw if not isinstance(raw, str) or len(raw) <= 40 else raw[:40] + "..."
+        raise SpecError(f"annotations[{BATCH}]", shown, f"a positive integer string up to {MAX_BATCH}, e.g. \"32\"")
     return int(text)
 
 
@@ -120,13 +131,10 @@ def gpu_containers(pod: dict[str, Any]) -> tuple[tuple[int, ...], set[str]]:
 
 
 def pinned_products(pod: dict[str, Any]) -> list[str]:
-    """The card names the pod pins: the ``batchfit.io/gpu`` annotation, else the ``nvidia.com/gpu.product``
-    node selector, else the values of required node affinity on that label (``In``; any of the terms may
-    match, so every value counts, and a term without such an expression pins nothing); [] when nothing
-    pins it."""
-    pin = annotations_of(pod).get(PIN)
-    if isinstance(pin, str) and pin.strip():
-        return [pin.strip()]
+    """The card names the pod pins: the ``nvidia.com/gpu.product`` node selector, else the values of required
+    node affinity on that label (``In``; any of the terms may match, so every value counts, and a term
+    without such an expression pins nothing), else the ``batchfit.io/gpu`` annotation (what places the pod
+    comes first); [] when nothing pins it."""
     spec = mapping(pod.get("spec"))
     selected = mapping(spec.get("nodeSelector")).get(PRODUCT)
     if isinstance(selected, str) and selected:
@@ -139,6 +147,10 @@ def pinned_products(pod: dict[str, Any]) -> list[str]:
                   if expr.get("key") == PRODUCT and expr.get("operator") == "In"
                   for v in listing(expr.get("values")) if isinstance(v, str)]
         if not pinned:  # a term that leaves the product open: the pod may land on any card
-            return []
+            values = []
+            break
         values += [v for v in pinned if v not in values]
-    return values
+    if values:
+        return values
+    pin = annotations_of(pod).get(PIN)
+    return [pin.strip()] if isinstance(pin, str) and pin.strip() else []

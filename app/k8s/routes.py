@@ -15,11 +15,13 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 
+from app import logs
 from app.errors import problem_responses
-from app.k8s.extender import filter_nodes, prioritize_nodes
-from app.k8s.webhook import mutate, review_request
+from app.k8s.extender import filter_nodes, passing_all, prioritize_nodes, scoring_none
+from app.k8s.pods import listing, mapping
+from app.k8s.webhook import mutate, review_request, unchanged_review
 from app.shape import check_shape
 from estimator.errors import SpecError
 
@@ -74,22 +76,52 @@ EXTENDER_ARGS = _object_body("ExtenderArgs (k8s.io/kube-scheduler/extender/v1): 
 
 @router.post("/filter", responses=ERRORS, summary="kube-scheduler extender: drop the nodes whose GPU the pod's "
              "step does not fit", openapi_extra=EXTENDER_ARGS)
-async def k8s_filter(request: Request) -> Any:
+async def k8s_filter(request: Request) -> Response:
     args = _args(await _body(request))
-    return JSONResponse(await filter_nodes(args, request.app.state.k8s, _deadline(request)))
+    try:
+        result: Any = await filter_nodes(args, request.app.state.k8s, _deadline(request))
+    except Exception as exc:  # noqa: BLE001 - a defect must not block scheduling: every node passes
+        _defect(request, "filter", exc)
+        result = passing_all(args)
+    return await _json(result)
 
 
 @router.post("/prioritize", responses=ERRORS, summary="kube-scheduler extender: rank nodes 0-10 by the pod's "
              "headroom", openapi_extra=EXTENDER_ARGS)
-async def k8s_prioritize(request: Request) -> Any:
+async def k8s_prioritize(request: Request) -> Response:
     args = _args(await _body(request))
-    return JSONResponse(await prioritize_nodes(args, request.app.state.k8s, _deadline(request)))
+    try:
+        result: Any = await prioritize_nodes(args, request.app.state.k8s, _deadline(request))
+    except Exception as exc:  # noqa: BLE001 - as for filter: every node scores 0
+        _defect(request, "prioritize", exc)
+        result = scoring_none(args)
+    return await _json(result)
 
 
 @router.post("/mutate", responses=ERRORS, summary="mutating admission webhook: the pod's batch size in its env",
              openapi_extra=_object_body("AdmissionReview (admission.k8s.io/v1) of a Pod CREATE"))
-async def k8s_mutate(request: Request) -> Any:
+async def k8s_mutate(request: Request) -> Response:
     review = await _body(request)
-    review_request(review)
+    uid = review_request(review)["uid"]
     settings = request.app.state.settings
-    return JSONResponse(await mutate(review, request.app.state.k8s, _deadline(request), settings.webhook_deny_unfit))
+    try:
+        result = await mutate(review, request.app.state.k8s, _deadline(request), settings.webhook_deny_unfit)
+    except Exception as exc:  # noqa: BLE001 - the pod is allowed, unchanged
+        _defect(request, "mutate", exc)
+        result = unchanged_review(uid, "not changed: batchfit failed (logged)")
+    return await _json(result)
+
+
+def _defect(request: Request, verb: str, exc: Exception) -> None:
+    logs.log("k8s-defect", verb=verb, error=f"{type(exc).__name__}: {exc}",
+             request_id=request.headers.get("x-request-id"))
+    request.app.state.metrics.k8s_calls.labels(verb, "error").inc()
+
+
+async def _json(result: Any) -> Response:
+    """``result`` as JSON; a large one (a filter echoing thousands of nodes) is encoded off the event loop."""
+    small = not isinstance(result, dict) or len(listing(mapping(result.get("Nodes")).get("items"))) < 100
+    encode = json.dumps
+    body = encode(result, separators=(",", ":")) if small else await asyncio.to_thread(
+        encode, result, separators=(",", ":"))
+    return Response(body, media_type="application/json")

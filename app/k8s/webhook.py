@@ -22,6 +22,7 @@ shows to whoever created the pod.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import math
 from typing import Any
@@ -31,7 +32,7 @@ from app.k8s.cards import Card, named_card
 from app.k8s.pods import ESTIMATE, TrainingPod, listing, mapping, opted_in, pinned_products, training_pod
 from estimator import __version__
 from estimator.errors import SpecError
-from estimator.gpus import mig_gpu
+from estimator.gpus import MIG_RESOURCE_PREFIX, mig_cards, mig_gpu
 
 REVIEW_VERSION = "admission.k8s.io/v1"
 ENV_BATCH, ENV_ACCUM, ENV_MAX = "BATCHFIT_BATCH_SIZE", "BATCHFIT_GRAD_ACCUM", "BATCHFIT_MAX_BATCH_SIZE"
@@ -77,12 +78,13 @@ async def _respond(request: dict[str, Any], estimates: Estimates, deadline: floa
     cards, unknown = _pinned_cards(pod, training)
     if unknown or not cards:
         calls.labels("mutate", "error").inc()
-        what = f"{', '.join(unknown)} is not a card batchfit knows" if unknown else (
+        what = "; ".join(unknown) if unknown else (
             "the pod is not pinned to a GPU type (nodeSelector or required node affinity on "
             "nvidia.com/gpu.product, or the batchfit.io/gpu annotation)")
         return _unchanged(f"not changed: {what}")
     found, late = await estimates.answers(training.request, cards, deadline, "mutate")
-    answers = [found.get(card.key) for card in cards]
+    answers = [dataclasses.replace(a, card=card) if isinstance(a, Answer) else a  # named as the pod names it
+               for a, card in ((found.get(card.key), card) for card in cards)]
     if late and not all(isinstance(a, Answer) for a in answers):
         calls.labels("mutate", "late").inc()
         return _unchanged("not changed: the estimate is still running; it is kept for the next pod with this spec")
@@ -96,38 +98,62 @@ async def _respond(request: dict[str, Any], estimates: Estimates, deadline: floa
 
 def _pinned_cards(pod: dict[str, Any], training: TrainingPod) -> tuple[list[Card], list[str]]:
     """The cards the pod may get (the slice it requests on each pinned card, under the mixed MIG strategy),
-    and the pinned names batchfit does not know."""
+    and why the pinned names that batchfit cannot size are not cards."""
     names = pinned_products(pod)
     if not names and training.mig_profile is not None:  # a slice only one catalog card has pins itself
-        names = [f"nvidia.com/mig-{training.mig_profile}"]
+        names = [f"{MIG_RESOURCE_PREFIX}{training.mig_profile}"]
     cards, unknown = [], []
     for name in names:
         card = named_card(name)
-        if card is not None and training.mig_profile is not None and card.gpu.mig_profile is None:
-            sliced = mig_gpu(card.gpu, training.mig_profile)
-            card = Card(f"{name}-MIG-{training.mig_profile}", sliced, sliced.name) if sliced is not None else None
         if card is None:
-            unknown.append(name)
+            rows = mig_cards(name[len(MIG_RESOURCE_PREFIX):]) if name.startswith(MIG_RESOURCE_PREFIX) else []
+            unknown.append(f"{name} is on several cards ({', '.join(g.name for g in rows)}): pin the product"
+                           if rows else f"{name} is not a card batchfit knows")
+        elif training.mig_profile is not None and card.gpu.mig_profile is None:
+            sliced = mig_gpu(card.gpu, training.mig_profile)
+            if sliced is None:
+                unknown.append(f"{name} has no MIG profile {training.mig_profile} in batchfit's catalog")
+            else:
+                cards.append(Card(f"{name}-MIG-{training.mig_profile}", sliced, sliced.name))
         else:
             cards.append(card)
     return cards, unknown
 
 
+def _unfit_message(answer: Answer) -> str:
+    smallest = answer.result["min_batch_size"]
+    if answer.memory["batch_size"] == smallest:
+        return f"batchfit: the job does not fit {answer.card.label} even at batch {smallest}: it {answer.shortfall()}"
+    return (f"batchfit: the job does not fit {answer.card.label} even at batch {smallest} (at the pod's batch it "
+            f"{answer.shortfall()})")
+
+
+def _ranks(answer: Answer, training: TrainingPod) -> int:
+    """The ranks a global batch is spread over: the accumulation plan's, else the world size, else
+    ``planner.data_parallel_ranks`` (one GPU per rank)."""
+    plan = mapping(answer.result.get("accumulation"))
+    if plan.get("ranks"):
+        return int(plan["ranks"])
+    world = int(answer.result.get("world_size") or 1)
+    return world if world > 1 else training.request.planner.data_parallel_ranks
+
+
 def _decide(answers: list[Answer], training: TrainingPod, pod: dict[str, Any], deny_unfit: bool) -> dict[str, Any]:
-    """The response for a pod whose every candidate card was answered."""
+    """The response for a pod whose every candidate card was answered: the batch for the cards the job fits
+    (warning about the others); denied (with ``deny_unfit``) or left with the annotation only when it fits none."""
+    warnings: list[str] = []
     unfit = [a for a in answers if a.result["max_batch_size"] is None]
-    if unfit:
-        worst = unfit[0]
-        message = (f"batchfit: the job does not fit {worst.card.label} even at batch {worst.result['min_batch_size']}: "
-                   f"it {worst.shortfall()}")
+    fitting = [a for a in answers if a.result["max_batch_size"] is not None]
+    if not fitting:
+        message = _unfit_message(unfit[0])
         if deny_unfit:
             return {"allowed": False, "status": {"code": 403, "reason": "Forbidden", "message": message}}
-        return _patched(pod, [], f"{worst.card.label}: does not fit ({worst.shortfall()}); batchfit {__version__}",
-                        [message])
+        return _patched(pod, [], f"{unfit[0].card.label}: does not fit ({unfit[0].shortfall()}); "
+                                 f"batchfit {__version__}", [message])
+    warnings += [_unfit_message(a) + "; the batch below is for the other cards" for a in unfit]
+    answers = fitting
     limiting = min(answers, key=lambda a: int(a.result["max_batch_size"]))
     max_batch = int(limiting.result["max_batch_size"])
-    warnings: list[str] = []
-    accumulation = mapping(limiting.result.get("accumulation"))
     target = training.request.planner.target_global_batch
     steps: int | None = None
     if training.batch is not None:
@@ -136,9 +162,6 @@ def _decide(answers: list[Answer], training: TrainingPod, pod: dict[str, Any], d
         if over:
             warnings.append(f"batchfit: batch {batch} {over[0].shortfall()}; the largest batch that fits is "
                             f"{max_batch}")
-        if target is not None:
-            ranks = int(accumulation.get("ranks") or 1)
-            steps = max(1, math.ceil(target / (batch * ranks)))
     else:
         recommended = [a.result["recommended_batch_size"] for a in answers]
         if any(r is None for r in recommended):
@@ -147,11 +170,12 @@ def _decide(answers: list[Answer], training: TrainingPod, pod: dict[str, Any], d
             batch = max_batch
         else:
             batch = min(int(r) for r in recommended)
-        if target is not None:
-            plans = [mapping(a.result.get("accumulation")) for a in answers]
-            if all(plans):  # the plan of the card with the smallest micro-batch fits every card
-                plan = min(plans, key=lambda p: int(p["micro_batch"]))
-                batch, steps = int(plan["micro_batch"]), int(plan["steps"])
+        plans = [mapping(a.result.get("accumulation")) for a in answers]
+        if target is not None and all(plans):  # the plan with the smallest micro-batch fits every card
+            plan = min(plans, key=lambda p: int(p["micro_batch"]))
+            batch, steps = int(plan["micro_batch"]), int(plan["steps"])
+    if target is not None and steps is None:  # a given batch, or a card without a plan: the steps for it
+        steps = max(1, math.ceil(target / (batch * _ranks(limiting, training))))
     env = {ENV_BATCH: str(batch), ENV_MAX: str(max_batch)}
     if steps is not None:
         env[ENV_ACCUM] = str(steps)
@@ -214,6 +238,11 @@ def patch_ops(pod: dict[str, Any], envs: list[tuple[int, dict[str, str]]], summa
     else:
         ops.append({"op": "add", "path": "/metadata/annotations", "value": {ESTIMATE: summary}})
     return ops
+
+
+def unchanged_review(uid: str, warning: str) -> dict[str, Any]:
+    """An AdmissionReview that allows the pod unchanged with ``warning`` (a defect's fallback)."""
+    return {"apiVersion": REVIEW_VERSION, "kind": "AdmissionReview", "response": {"uid": uid, **_unchanged(warning)}}
 
 
 def _unchanged(warning: str) -> dict[str, Any]:
