@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import inspect
 import json
+import re
 from functools import lru_cache
 from importlib import resources
-from typing import Any
+from typing import Any, get_args
 
 import torch
 
@@ -31,7 +32,7 @@ from estimator.models import (
 )
 from estimator.request.allowed import check_config
 from estimator.request.limits import MAX_SEQ_LEN
-from estimator.request.spec import InputSpec, Task, TransformersModel
+from estimator.request.spec import AttnImplementation, InputSpec, Task, TransformersModel
 
 # The Auto class that builds each task's head.
 AUTO_CLASSES = {
@@ -122,6 +123,46 @@ def _check_values(config_class: type, given: dict[str, Any]) -> None:
                         "a list of transformers class names, e.g. ['GPT2LMHeadModel']")
 
 
+# The class flag that says a model class can run each named kernel ("eager" needs none).
+_ATTN_FLAGS = {"sdpa": "_supports_sdpa"}
+# The ValueError transformers raises when a (sub-)model class cannot run the kernel named
+# (modeling_utils.py, PreTrainedModel._sdpa_can_dispatch).
+_NO_KERNEL = re.compile(r"^(\w+) does not support an attention implementation")
+
+
+def _attn_supported(model_class: type) -> list[str]:
+    """The kernels of ``model.attn_implementation`` that ``model_class`` can run."""
+    return [impl for impl in get_args(AttnImplementation)
+            if impl not in _ATTN_FLAGS or getattr(model_class, _ATTN_FLAGS[impl], False)]
+
+
+def _check_attn(model_class: type, named: str | None) -> None:
+    """A named kernel the class cannot run is the request's error, before transformers raises it."""
+    supported = _attn_supported(model_class)
+    if named is not None and named not in supported:
+        raise SpecError("model.attn_implementation", named,
+                        f"one {model_class.__name__} supports: {', '.join(supported)} "
+                        "(or null: transformers' default for the class)")
+
+
+def _attention_line(model: torch.nn.Module, named: str | None) -> str:
+    """The kernel the built model runs, read back from its config (transformers resolved it in ``__init__``),
+    and any sub-model that resolved another one (a sub-model class without SDPA falls back on its own)."""
+    from transformers import PreTrainedModel
+
+    used = getattr(model.config, "_attn_implementation", None)
+    top = type(model).__name__
+    why = f"model.attn_implementation, on {top}" if named is not None else (
+        f"transformers' default for {top}" + ("" if used == "sdpa" else ", which has no SDPA"))
+    seen, others = {id(model.config)}, []
+    for m in model.modules():  # outermost first: one line per sub-config, named by the model that owns it
+        if isinstance(m, PreTrainedModel) and id(m.config) not in seen:
+            seen.add(id(m.config))
+            if (own := getattr(m.config, "_attn_implementation", None)) != used:
+                others.append(f"; {own} in {type(m).__name__}")
+    return f"attention: {used} ({why})" + "".join(others)
+
+
 def _position_key(config: Any) -> str | None:
     """The config key of the model's position table (None: no table to run past)."""
     if hasattr(config, "relative_attention_num_buckets"):
@@ -150,6 +191,7 @@ def max_positions(spec: TransformersModel) -> int | None:
 def build_transformers(spec: TransformersModel, inp: InputSpec) -> BuiltModel:
     import transformers
     from transformers import AutoConfig
+    from transformers.models.auto.auto_factory import _get_model_class
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     raw = _config_dict(spec)
@@ -179,13 +221,29 @@ def build_transformers(spec: TransformersModel, inp: InputSpec) -> BuiltModel:
         config.pad_token_id = config.eos_token_id if isinstance(config.eos_token_id, int) else 0
         assumptions.append(f"pad_token_id unset: using {config.pad_token_id} (the eos token)")
 
+    # attn_implementation None is what from_config does when not told: PreTrainedModel.__init__ calls
+    # _check_and_adjust_attn_implementation(None), whose get_correct_attn_implementation (transformers 5.x,
+    # modeling_utils.py) tries "sdpa" and falls back to "eager" when the class's _supports_sdpa is False. Flash
+    # and flex kernels are only used when named, so the choice depends on the class alone, not on the device
+    # or on which kernels are installed: a real GPU run with these packages picks the same.
+    _check_attn(_get_model_class(config, auto._model_mapping), spec.attn_implementation)
+
     def factory():
         # A config's torch_dtype is how the checkpoint is stored; training keeps
-        # fp32 master weights (the recipe's precision decides the rest).
-        return auto.from_config(config, attn_implementation=spec.attn_implementation, dtype=torch.float32)
+        # fp32 master weights (the recipe's precision decides the rest). The explicit None also undoes the
+        # previous build's choice, which transformers leaves on the (shared) config.
+        try:
+            return auto.from_config(config, attn_implementation=spec.attn_implementation, dtype=torch.float32)
+        except ValueError as exc:  # a sub-model class without the named kernel (the top class is checked above)
+            found = _NO_KERNEL.match(str(exc))
+            if found is None:
+                raise
+            raise SpecError("model.attn_implementation", spec.attn_implementation,
+                            f"eager or null ({found.group(1)}, inside {name}, has no such kernel)") from exc
 
     name = spec.preset or model_type
     model = probe(factory, "model.config", spec.config)
+    assumptions.append(_attention_line(model, spec.attn_implementation))
     if task == "image-classification":
         with given_values("model.config", spec.config, "integers num_channels and image_size"):
             c, side = int(getattr(config, "num_channels", 3)), int(getattr(config, "image_size", 224))

@@ -78,7 +78,9 @@ class TransformersModel(BaseModel):
     config: dict[str, JSONValue] | None = Field(
         None, description="an inline config.json; overrides the preset's keys or stands alone (needs model_type)")
     task: Task | None = Field(None, description="the head to train; default: the preset's own task")
-    attn_implementation: AttnImplementation = Field("sdpa", description="transformers' attention kernel")
+    attn_implementation: AttnImplementation | None = Field(
+        None, description="transformers' attention kernel; null: the one transformers picks for the model's class "
+        "(sdpa where the class supports it, else eager)", examples=["eager"])
 
 
 class CustomModel(BaseModel):
