@@ -254,6 +254,18 @@ def test_mutate_an_unpinned_pod_leaves_it_unchanged(client) -> None:
     assert warning == "batchfit: not changed: NVIDIA-Z9000 is not a card batchfit knows"
 
 
+def mutate_denying_unfit(client: TestClient, review: dict[str, Any]) -> dict[str, Any]:
+    """POST /k8s/mutate with BATCHFIT_WEBHOOK_DENY_UNFIT=1 (the route reads the setting per call)."""
+    app: Any = client.app
+    settings = app.state.settings
+    app.state.settings = settings.model_copy(update={"webhook_deny_unfit": True})
+    try:
+        response: dict[str, Any] = client.post("/k8s/mutate", json=review).json()["response"]
+    finally:
+        app.state.settings = settings
+    return response
+
+
 def test_mutate_an_unfit_pod(client) -> None:
     review = body("admission_unfit")  # required node affinity: Tesla-T4
     pod = review["request"]["object"]
@@ -267,13 +279,7 @@ def test_mutate_an_unfit_pod(client) -> None:
     patched = jsonpatch.apply_patch(pod, decoded(response))
     assert all(env_of(c).keys() <= {"NCCL_DEBUG"} for c in patched["spec"]["containers"])  # no batch to give
     assert patched["metadata"]["annotations"]["batchfit.io/estimate"].startswith("Tesla-T4: does not fit (needs ")
-    app = client.app
-    settings = app.state.settings
-    app.state.settings = settings.model_copy(update={"webhook_deny_unfit": True})
-    try:
-        denied = client.post("/k8s/mutate", json=review).json()["response"]
-    finally:
-        app.state.settings = settings
+    denied = mutate_denying_unfit(client, review)
     assert denied == {"uid": review["request"]["uid"], "allowed": False,
                       "status": {"code": 403, "reason": "Forbidden", "message": message}}
 
@@ -360,13 +366,7 @@ def test_mutate_with_several_candidate_cards(client) -> None:
     term = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
         "nodeSelectorTerms"][0]["matchExpressions"][0]
     term["values"] = ["Tesla-T4", "NVIDIA-A100-SXM4-80GB"]
-    app = client.app
-    settings = app.state.settings
-    app.state.settings = settings.model_copy(update={"webhook_deny_unfit": True})
-    try:
-        response = client.post("/k8s/mutate", json=review).json()["response"]
-    finally:
-        app.state.settings = settings
+    response = mutate_denying_unfit(client, review)
     assert response["allowed"] is True
     (warning,) = response["warnings"]
     assert warning.startswith("batchfit: the job does not fit Tesla-T4 even at batch 1: it needs ")

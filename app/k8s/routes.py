@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -77,24 +78,24 @@ EXTENDER_ARGS = _object_body("ExtenderArgs (k8s.io/kube-scheduler/extender/v1): 
 @router.post("/filter", responses=ERRORS, summary="kube-scheduler extender: drop the nodes whose GPU the pod's "
              "step does not fit", openapi_extra=EXTENDER_ARGS)
 async def k8s_filter(request: Request) -> Response:
-    args = _args(await _body(request))
-    try:
-        result: Any = await filter_nodes(args, request.app.state.k8s, _deadline(request))
-    except Exception as exc:  # noqa: BLE001 - a defect must not block scheduling: every node passes
-        _defect(request, "filter", exc)
-        result = passing_all(args)
-    return await _json(result)
+    return await _extender(request, "filter", filter_nodes, passing_all)
 
 
 @router.post("/prioritize", responses=ERRORS, summary="kube-scheduler extender: rank nodes 0-10 by the pod's "
              "headroom", openapi_extra=EXTENDER_ARGS)
 async def k8s_prioritize(request: Request) -> Response:
+    return await _extender(request, "prioritize", prioritize_nodes, scoring_none)
+
+
+async def _extender(request: Request, verb: str, answer: Callable[..., Awaitable[Any]],
+                    fallback: Callable[[dict[str, Any]], Any]) -> Response:
+    """A verb's answer; on a defect, ``fallback``'s (every node passes, or scores 0): scheduling is never blocked."""
     args = _args(await _body(request))
     try:
-        result: Any = await prioritize_nodes(args, request.app.state.k8s, _deadline(request))
-    except Exception as exc:  # noqa: BLE001 - as for filter: every node scores 0
-        _defect(request, "prioritize", exc)
-        result = scoring_none(args)
+        result = await answer(args, request.app.state.k8s, _deadline(request))
+    except Exception as exc:  # noqa: BLE001 - logged and counted
+        _defect(request, verb, exc)
+        result = fallback(args)
     return await _json(result)
 
 
