@@ -56,7 +56,7 @@ def _held(gpu: str, headroom: float = DEFAULT_HEADROOM) -> dict:
 
 
 @pytest.mark.zoo  # a sweep over models: the zoo tier
-@pytest.mark.parametrize("name", sorted(n for n in ZOO if n != "lstm"))  # LSTMs: CPU target only (cuDNN RNN)
+@pytest.mark.parametrize("name", sorted(ZOO))
 def test_recommended_leaves_the_headroom_on_every_card(name: str) -> None:
     mf, bf, lf = ZOO[name]
     built = BuiltModel(f"test:{name}", mf, bf, lf, {}, 0)

@@ -34,13 +34,9 @@ T4 = get_gpu("T4-16GB")
 def test_synthesized_trace_equals_a_fresh_one(name: str) -> None:
     mf, bf, lf = ZOO[name]
     recipe = Recipe(optimizer="adamw")
-    # LSTMs are not simulated on a virtual GPU yet (cuDNN's RNN path initializes CUDA): CPU target
-    target = None if name == "lstm" else A100
-    if target is None:
-        t2, t3 = (record_training(mf, bf, lf, b, recipe, target) for b in (2, 3))
-        profile = fit([(2, t2), (3, t3)])
-    else:  # the fit the planner makes: through batches 1 and 2, or 2 and 3 when batch 1 takes other paths
-        profile = Simulator(BuiltModel(name, mf, bf, lf, {}, 0), recipe).fit(1, target)
+    target = A100
+    # the fit the planner makes: through batches 1 and 2, or 2 and 3 when batch 1 takes other paths
+    profile = Simulator(BuiltModel(name, mf, bf, lf, {}, 0), recipe).fit(1, target)
     assert profile is not None
     rng = random.Random(name)
     for b in rng.sample(range(4, 200), 3):

@@ -40,6 +40,9 @@ from estimator.simulate.virtual_gpu import Shortcuts, VirtualGPU
 from estimator.simulate.virtual_gpu.cpu_conv import CpuConvColumns
 from estimator.simulate.virtual_gpu.cudnn import ASSUMPTION as CUDNN_ASSUMPTION
 from estimator.simulate.virtual_gpu.cudnn import BENCHMARK_ASSUMPTION, COLUMNS, WORKSPACE, ConvWorkspaces
+from estimator.simulate.virtual_gpu.cudnn_rnn import ASSUMPTION as RNN_ASSUMPTION
+from estimator.simulate.virtual_gpu.cudnn_rnn import flops as rnn_flops
+from estimator.simulate.virtual_gpu.cudnn_rnn import internals as rnn_internals
 from estimator.simulate.virtual_gpu.engine import Engine
 from estimator.simulate.virtual_gpu.streams import Streams
 from estimator.simulate.virtual_gpu.worst_case import WorstCase
@@ -53,6 +56,7 @@ _CUBLAS_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "_addmm_acti
 _CONV_CATEGORY = {WORKSPACE: Category.CONV_WORKSPACE, COLUMNS: Category.TEMPORARY,
                   Category.EMPTY_CACHE: Category.EMPTY_CACHE}
 _COUNTED_PHASES = frozenset({Phase.FORWARD, Phase.LOSS, Phase.BACKWARD})
+_CUDNN_RNN_OPS = frozenset({"_cudnn_rnn", "_cudnn_rnn_backward"})
 
 
 class Recorder:
@@ -61,6 +65,7 @@ class Recorder:
     def __init__(self, device_type: str, workspace_bytes: int, convs: ConvWorkspaces | CpuConvColumns | None = None,
                  every_micro_step: bool = False) -> None:
         self.device_type = device_type
+        self.rnn_calls = 0  # cuDNN RNN calls (_cudnn_rnn and its backward): what they allocate inside is recorded
         self.every_micro_step = every_micro_step
         self.trace = Trace()
         self.live: dict[int, int] = {}
@@ -133,6 +138,12 @@ class Recorder:
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type == self.device_type:
                 self.track(t, name)
+        if name in _CUDNN_RNN_OPS and self.device_type == "cuda":
+            self._cudnn_rnn(name, args, out)
+            return
+        if name == "_cudnn_init_dropout_state":
+            self.mark([out], Category.BUFFER)  # cached by RNN.cpp for the rest of the process
+            return
         cublas = self.workspace_bytes and name in _CUBLAS_OPS
         conv = self.convs is not None and name.startswith("convolution")
         if not (cublas or conv):
@@ -145,6 +156,22 @@ class Recorder:
             for kind, nbytes in self.convs.actions(name, args, out, thread):
                 # freed as the call returns: transient, but its block stays cached
                 self._transient(nbytes, f"{kind}[{name}]", _CONV_CATEGORY[kind])
+
+    def _cudnn_rnn(self, name: str, args: Any, out: Any) -> None:
+        """A cuDNN RNN call: its FLOPs, and what it allocates and frees inside (workspaces, contiguous copies,
+        zeros for undefined grads; ``cudnn_rnn.internals``), after its outputs."""
+        self.rnn_calls += 1
+        if self.phase in _COUNTED_PHASES:
+            key = (self.iteration, self.micro)
+            self.micro_flops[key] = self.micro_flops.get(key, 0) + rnn_flops(name, args)
+        held: dict[str, list[int]] = {}
+        for allocate, label, nbytes in rnn_internals(name, args, out):
+            if allocate:
+                held.setdefault(label, []).append(self._alloc(nbytes, f"{label}[{name}]", Category.TEMPORARY))
+            else:
+                aid = held[label].pop()
+                self.trace.events.append((False, aid))
+                self.live_bytes -= self.trace.allocations[aid].nbytes
 
     # --- recording
     def stream(self) -> int:
@@ -444,6 +471,8 @@ def record_training(
         trace.assumptions.append(
             f"grad accumulation: {ran} of {accumulation} micro-steps simulated (the last repeated the one before); "
             f"memory from {micro_steps_in_trace(accumulation, ran)} of them, FLOPs from all {accumulation}")
+    if recorder.rnn_calls:
+        trace.assumptions.append(RNN_ASSUMPTION)
     if convs is not None:
         trace.capability_thresholds = sorted(convs.thresholds)
         if convs.calls:

@@ -8,8 +8,8 @@
 
 Inside: tensors are fake (no memory, no data); ``torch.autograd.backward``,
 ``torch.autograd.grad`` and ``Tensor.backward`` run ``Engine``; autocast,
-SDPA backend, optimizer defaults and ``torch.cuda`` queries answer as on the
-target card. Everything patched is put back on exit (docs/DESIGN.md, fact 10).
+SDPA backend, cuDNN RNNs, optimizer defaults and ``torch.cuda`` queries
+answer as on the target card. Everything patched is put back on exit (docs/DESIGN.md, fact 10).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_leaves
 from estimator.errors import DataDependentError
 from estimator.gpus import GPU
 from estimator.simulate.virtual_gpu.attention import make_sdpa
+from estimator.simulate.virtual_gpu.cudnn_rnn import CudnnRnns
 from estimator.simulate.virtual_gpu.device import DeviceProperties, Patches, patch_cuda_queries
 from estimator.simulate.virtual_gpu.engine import Engine, SavedTensors, TensorHooks
 from estimator.simulate.virtual_gpu.fake_mode import FakeMode, Shortcuts
@@ -186,6 +187,7 @@ class VirtualGPU:
         self.cpp_engine = cpp_engine and gpu is None
         self.unsupported: list[str] = []
         self.streams = Streams()  # which stream allocates: one allocator pool per stream
+        self.rnns = CudnnRnns()  # cuDNN's RNN path (docs/DESIGN.md, fact 20)
         self._patches = Patches()
         self._fake: FakeMode | None = None
         self._mode: _DispatchMode | None = None
@@ -229,6 +231,8 @@ class VirtualGPU:
                 p.set(torch.nn.functional, "scaled_dot_product_attention",
                       make_sdpa(torch.nn.functional.scaled_dot_product_attention, self.capability,
                                 self.sdpa_calls.add))
+                # docs/DESIGN.md, fact 20: nn.LSTM/GRU/RNN take cuDNN's path as on the card.
+                self.rnns.patch(p)
                 # docs/DESIGN.md, fact 6: FakeTensor is not a foreach type, so optimizers
                 # would take the single-tensor path a real GPU never takes.
                 p.set(_optim, "_foreach_supported_types", list(_optim._foreach_supported_types) + [FakeTensor])

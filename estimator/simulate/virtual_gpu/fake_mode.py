@@ -2,7 +2,9 @@
 
 FakeTensorMode never initializes a device here (``torch.cuda.is_available()``
 answers True inside the virtual GPU), bypasses its dispatch cache where a
-cache hit would allocate differently, and takes three shortcuts past torch's
+cache hit would allocate differently, runs cuDNN's RNN ops with kernels of
+their own (``cudnn_rnn.py``: torch has none that know their sizes), and
+takes three shortcuts past torch's
 Python fake kernels that make a fresh simulation about twice as fast: the
 optimizers' elementwise ``_foreach_*`` ops, cuDNN batch norm's outputs, and
 cheaper dispatch-cache keys. Each shortcut has a switch (``Shortcuts``);
@@ -18,6 +20,8 @@ from typing import Any
 import torch
 from torch._prims_common import is_non_overlapping_and_dense_or_false as is_non_overlapping_and_dense
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, _BypassDispatchCache
+
+from estimator.simulate.virtual_gpu.cudnn_rnn import FAKE_KERNELS as _CUDNN_RNN_KERNELS
 
 # torch._foreach_* ops whose i-th output has the i-th input's shape, dtype and layout.
 _FOREACH_ELEMENTWISE = frozenset({
@@ -65,6 +69,9 @@ class FakeMode(FakeTensorMode):
         return True
 
     def _cached_dispatch_impl(self, func, types, args, kwargs):
+        rnn = _CUDNN_RNN_KERNELS.get(func)
+        if rnn is not None:  # cuDNN's RNN ops: torch has no fake kernel with their sizes (cudnn_rnn.py)
+            return rnn(self, args, kwargs)
         if func in _BATCH_NORM_OPS and self.shortcuts.batch_norm:
             out = self._cudnn_batch_norm(func, args, kwargs)
             if out is not NotImplemented:
