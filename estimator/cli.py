@@ -108,13 +108,12 @@ def _by_module(request, response):
     from estimator.replay.modules import breakdown_by_module
     from estimator.replay.report import report_from_trace
     from estimator.request.adapt import cards_of, recipe_of
-    from estimator.simulate.record import record_training
+    from estimator.simulate.record import record_built
     from estimator.simulate.step import cast_model
 
     card, recipe, built = cards_of(request)[0], recipe_of(request), build(request)
     batch, reserve = response.results[0].memory.batch_size, request.planner.reserve_bytes
-    trace = record_training(built.factory, built.batch_factory, built.loss_fn, batch, recipe, card,
-                            worst_case=built.worst_case)
+    trace = record_built(built, batch, recipe, card)
     report = report_from_trace(trace, batch, card, reserve_bytes=reserve)
     model = cast_model(build_on_meta(built.factory), recipe)  # as record_training builds it
     return breakdown_by_module(trace, card, model, reserve_bytes=reserve), report
@@ -194,13 +193,12 @@ def _plot(args: argparse.Namespace, response, request) -> None:
     else:
         from estimator.models import build
         from estimator.replay.allocator import trace_events
-        from estimator.simulate.record import record_training
+        from estimator.simulate.record import record_built
 
         assert request is not None  # --spec: parsed once, by _estimate (stdin is read once)
         card = cards_of(request)[0]
         built = build(request)
-        trace = record_training(built.factory, built.batch_factory, built.loss_fn, batch, recipe_of(request), card,
-                                worst_case=built.worst_case)
+        trace = record_built(built, batch, recipe_of(request), card)
         events, phases = trace_events(trace), [a.phase for a in trace.allocations]
     draw_timeline(events, phases, f"batch {batch} on {first.gpu}", args.plot)
 

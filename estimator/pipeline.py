@@ -35,7 +35,7 @@ from estimator.replay.report import MemoryReport, report_from_trace
 from estimator.request.adapt import advice_options, cards_of, recipe_of, with_planner
 from estimator.request.recipe import MAX_WORLD_SIZE, Recipe
 from estimator.request.spec import EstimateRequest, parse_request
-from estimator.simulate.record import record_training
+from estimator.simulate.record import record_built, record_training
 from estimator.simulate.step import BatchFactory, LossFn, ModelFactory
 from estimator.sources import CHECK_OFFSET, ProfileReplayer, Progress, Simulator
 from estimator.worlds import Suggester, Worlds
@@ -161,7 +161,7 @@ def estimate_memory(
     recipe: Recipe | None = None,
     gpu: str | GPU | None = "A100-80GB",
     allocator: AllocatorConfig | None = None,
-    worst_case: bool = False,
+    worst_case: bool | None = None,
 ) -> MemoryReport:
     """Simulate training steps of the model on ``gpu`` and report peak memory.
 
@@ -169,11 +169,17 @@ def estimate_memory(
     ``batch_factory(batch_size, device)`` returns ``(inputs, targets)`` where
     ``inputs`` is a tensor, a tuple (positional) or a dict (keyword arguments);
     ``loss_fn(outputs, targets)`` returns the scalar loss. ``gpu=None``
-    targets the CPU.
+    targets the CPU. ``worst_case``: data-dependent sizes at their maximum
+    (virtual_gpu/worst_case.py); None (default) applies the policy only when
+    the step turns out to need it, False raises ``DataDependentError`` then.
     """
     card = get_gpu(gpu) if isinstance(gpu, str) else gpu
-    trace = record_training(model_factory, batch_factory, loss_fn, batch_size, recipe or Recipe(), card,
-                            worst_case=worst_case)
+    recipe = recipe or Recipe()
+    if worst_case is None:
+        built = BuiltModel("model", model_factory, batch_factory, loss_fn, {}, 0)
+        trace = record_built(built, batch_size, recipe, card)
+    else:
+        trace = record_training(model_factory, batch_factory, loss_fn, batch_size, recipe, card, worst_case=worst_case)
     return report_from_trace(trace, batch_size, card, allocator)
 
 
@@ -213,8 +219,7 @@ class SeqLenSearch:
         if key not in self.traces:
             req = self.request.model_copy(update={"input": self.request.input.model_copy(update={"seq_len": seq})})
             b = build(req)
-            self.traces[key] = record_training(b.factory, b.batch_factory, b.loss_fn, self.batch, self.recipe, card,
-                                               worst_case=b.worst_case)
+            self.traces[key] = record_built(b, self.batch, self.recipe, card)
         trace = self.traces[key]
         return report_from_trace(trace, self.batch, card, reserve_bytes=self.request.planner.reserve_bytes).fits
 

@@ -23,7 +23,7 @@ from estimator.portable import PortableProfile
 from estimator.replay.report import MemoryReport
 from estimator.request.recipe import Recipe
 from estimator.simulate.distributed import candidate_ranks_of
-from estimator.simulate.record import record_training
+from estimator.simulate.record import record_built
 from estimator.simulate.virtual_gpu.attention import SdpaCall, backend_for
 from estimator.trace import Trace
 
@@ -79,8 +79,7 @@ class Simulator(ReplayCache):
         b = self.built
         if len(self._resolve_ranks()) > 1:
             return self._pick_rank(batch, gpu)
-        trace = record_training(b.factory, b.batch_factory, b.loss_fn, batch, self.recipe, gpu,
-                                worst_case=b.worst_case)
+        trace = record_built(b, batch, self.recipe, gpu)
         if self.rank_note is not None:
             trace.assumptions.append(self.rank_note)
         return trace
@@ -101,9 +100,8 @@ class Simulator(ReplayCache):
         """Simulate each candidate rank at ``batch`` once; the one whose step needs more stands for the
         world from then on (estimator/simulate/distributed: uneven shards)."""
         b, d = self.built, self.recipe.distributed
-        traces = {r: record_training(b.factory, b.batch_factory, b.loss_fn, batch,
-                                     dataclasses.replace(self.recipe, distributed=d.at(d.world_size, r)), gpu,
-                                     worst_case=b.worst_case) for r in self._ranks or ()}
+        traces = {r: record_built(b, batch, dataclasses.replace(self.recipe, distributed=d.at(d.world_size, r)), gpu)
+                  for r in self._ranks or ()}
         peaks = {r: t.live_peak()[0] for r, t in traces.items()}
         rank = max(peaks, key=lambda r: (peaks[r], -r))
         self.recipe = dataclasses.replace(self.recipe, distributed=d.at(d.world_size, rank))

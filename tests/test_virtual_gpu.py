@@ -121,8 +121,14 @@ def _batch(b, d):
 
 def test_data_dependent_model_is_a_typed_error() -> None:
     with pytest.raises(DataDependentError) as err:
-        estimate_memory(ItemModel, _batch, F.cross_entropy, 2, gpu="A100-80GB")
+        estimate_memory(ItemModel, _batch, F.cross_entropy, 2, gpu="A100-80GB", worst_case=False)
     assert "forward" in err.value.where
+
+
+def test_data_dependent_model_runs_at_its_worst_case_by_default() -> None:
+    report = estimate_memory(ItemModel, _batch, F.cross_entropy, 2, gpu="A100-80GB")
+    assert report.allocated_peak_bytes > 0
+    assert "data-dependent ops at their worst case: .item() in ItemModel" in report.assumptions
 
 
 def test_failing_forward_names_phase_and_module() -> None:

@@ -24,6 +24,7 @@ from torch.utils.flop_counter import flop_registry as _FLOPS
 
 from estimator.errors import BatchTooSmallError, DataDependentError, SimulationError, SpecError
 from estimator.gpus import GPU
+from estimator.models import BuiltModel
 from estimator.models.meta import build_on_meta
 from estimator.request.recipe import Recipe
 from estimator.simulate.accumulation import Cut, expand, micro_steps_in_trace, repeats
@@ -429,7 +430,7 @@ def record_training(
     columns = CpuConvColumns() if gpu is None else None  # the CPU target's slow kernels' im2col buffers
     recorder = Recorder("cuda" if gpu is not None else "cpu", gpu.cublas_workspace_bytes if gpu is not None else 0,
                         convs or columns, every_micro_step)
-    vgpu = VirtualGPU(gpu, observer=recorder, worst_case=WorstCase() if worst_case else None,
+    vgpu = VirtualGPU(gpu, observer=recorder, worst_case=WorstCase(recorder.module) if worst_case else None,
                       subclass_like=subclass_like, cpp_engine=cpp_engine, shortcuts=shortcuts,
                       distributed=recipe.distributed.active)
     if worst_case:
@@ -473,6 +474,8 @@ def record_training(
             f"memory from {micro_steps_in_trace(accumulation, ran)} of them, FLOPs from all {accumulation}")
     if recorder.rnn_calls:
         trace.assumptions.append(RNN_ASSUMPTION)
+    if vgpu.worst_case is not None and vgpu.worst_case.used:
+        trace.assumptions.append(f"data-dependent ops at their worst case: {vgpu.worst_case.summary()}")
     if convs is not None:
         trace.capability_thresholds = sorted(convs.thresholds)
         if convs.calls:
@@ -485,6 +488,27 @@ def record_training(
     trace.flops = recorder.step_flops(recipe.iterations - 1, accumulation)
     trace.card_queries = sorted(set(vgpu.card_queries))
     return trace
+
+
+def record_built(built: BuiltModel, batch_size: int, recipe: Recipe, gpu: GPU | None) -> Trace:
+    """``record_training`` of a built model. A model whose step turns out to read a tensor's value or to make a
+    data-dependent shape (``DataDependentError``) is simulated again under the worst-case policy
+    (virtual_gpu/worst_case.py: every mask element true, ``.item()`` reads 0), and ``built`` is marked so that
+    its later simulations use the policy from the start; the trace's assumptions name each such op and the
+    modules that ran it. A model that fails even under the policy raises the first error."""
+    try:
+        return record_training(built.factory, built.batch_factory, built.loss_fn, batch_size, recipe, gpu,
+                               worst_case=built.worst_case)
+    except DataDependentError as first:
+        if built.worst_case:
+            raise
+        try:
+            trace = record_training(built.factory, built.batch_factory, built.loss_fn, batch_size, recipe, gpu,
+                                    worst_case=True)
+        except DataDependentError:
+            raise first from None
+        built.worst_case = True
+        return trace
 
 
 # torch.nn.functional's checks behind "Expected more than 1 value per channel when training".
@@ -509,6 +533,11 @@ def _call(phase: Phase, fn: Callable[[], T], recorder: Recorder) -> T:
     except torch._subclasses.fake_tensor.DataDependentOutputException as exc:
         raise DataDependentError(
             f"the model reads a tensor's value ({exc.func}), which a simulation without data cannot know",
+            where=f"{phase}, module {recorder.module() or '<top>'}",
+        ) from exc
+    except torch._subclasses.fake_tensor.DynamicOutputShapeException as exc:
+        raise DataDependentError(
+            f"an op's output shape depends on the data ({exc.func}), which a simulation without data cannot know",
             where=f"{phase}, module {recorder.module() or '<top>'}",
         ) from exc
     except ValueError as exc:

@@ -13,6 +13,7 @@ mode, so the tensors it makes are fake too.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,8 +38,25 @@ class WorstCase:
     Every other mask may be all true.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, where: Callable[[], str] | None = None) -> None:
         self.bounds: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> most nonzeros it can hold
+        self._where = where  # the module running now (the Recorder's), for ``used``
+        self.used: dict[str, list[str]] = {}  # the data-dependent ops met, each with the modules that ran them
+
+    def note(self, op: str) -> None:
+        """Remember that ``op`` met the policy in the module running now."""
+        module = (self._where() if self._where is not None else "") or "<top>"
+        modules = self.used.setdefault(op, [])
+        if module not in modules:
+            modules.append(module)
+
+    def summary(self, most: int = 3) -> str:
+        """``aten.nonzero in roi_heads, rpn; .item() in model.gate`` (at most ``most`` modules per op)."""
+        parts = []
+        for op, modules in self.used.items():
+            more = f" and {len(modules) - most} more" if len(modules) > most else ""
+            parts.append(f"{op} in {', '.join(modules[:most])}{more}")
+        return "; ".join(parts)
 
     def bound(self, t: Any) -> int:
         if not isinstance(t, torch.Tensor):
@@ -59,6 +77,12 @@ class WorstCase:
 
     def dispatch(self, func, args: tuple, kwargs: dict) -> Any:
         """The op's result under the worst-case policy, or NotImplemented to run it as is."""
+        out = self._dispatch(func, args, kwargs)
+        if out is not NotImplemented:
+            self.note(f"{getattr(func, 'namespace', 'aten')}.{func.__name__.split('.')[0]}")
+        return out
+
+    def _dispatch(self, func, args: tuple, kwargs: dict) -> Any:
         if func is aten.nonzero.default:
             return self._rows(args[0])
         if func is aten.masked_select.default:

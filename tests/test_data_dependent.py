@@ -1,0 +1,77 @@
+"""Data-dependent ops in any model's forward (issue 16): the worst-case policy of the detection models
+(estimator/simulate/virtual_gpu/worst_case.py) applies to every model whose step needs it, and the answer
+names each such op and the module that ran it, so a data-dependent size never makes a request fail."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from estimator import estimate, parse_request
+from estimator.models import build
+from estimator.request.adapt import recipe_of
+from estimator.simulate.record import record_built
+from estimator.trace import Phase
+
+TIER = "sim"
+WIDTH = 64
+
+
+class Gate(nn.Module):
+    """Keeps the positive activations (a boolean mask: its size depends on the data)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = self.proj(h)
+        kept = h[h > 0]  # aten.index with a bool mask: worst case, every element kept
+        return h + kept.sum()
+
+
+class Routed(nn.Module):
+    """A model that reads a value (``.item()``), finds rows (``nonzero``) and masks (``h[h > 0]``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(3 * 16 * 16, WIDTH)
+        self.gate = Gate()
+        self.head = nn.Linear(WIDTH, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x.flatten(1))
+        rows = (h.sum(1) > 0).nonzero()  # worst case: every row
+        h = h + rows.numel() * 0.0
+        if h.mean().item() > 1e9:  # never on real data; the policy reads 0
+            h = h * 2
+        return self.head(self.gate(h))
+
+
+def make() -> nn.Module:
+    return Routed()
+
+
+REQUEST = {"model": {"source": "custom", "factory": "test_data_dependent:make"}, "input": {"image_size": [3, 16, 16]},
+           "gpus": ["A100-80GB"], "planner": {"curve_points": 0}}
+
+
+def test_a_data_dependent_model_is_answered_at_its_worst_case() -> None:
+    request = parse_request(REQUEST, allow_local_code=True)
+    response = estimate(request)
+    assert response.results[0].max_batch_size is not None and response.results[0].max_batch_size > 1000
+    line = next(a for a in response.assumptions if a.startswith("data-dependent ops at their worst case: "))
+    assert "aten.nonzero in Routed" in line and ".item() in Routed" in line and "aten.index in gate" in line
+
+
+def test_the_masked_rows_are_every_element() -> None:
+    """At batch B, ``h[h > 0]`` in gate keeps B x 64 fp32 values: B x 256 bytes, and nonzero's rows in the
+    top module are B x 1 int64 (8 B each): what the trace records in the forward."""
+    request = parse_request(REQUEST, allow_local_code=True)
+    built = build(request)
+    batch = 32
+    trace = record_built(built, batch, recipe_of(request), None)
+    assert built.worst_case  # marked: the next simulations apply the policy at once
+    forward = [a for a in trace.allocations if a.phase == Phase.FORWARD]
+    assert any(a.nbytes == batch * WIDTH * 4 and a.module == "gate" and a.op == "index" for a in forward)
+    assert any(a.nbytes == batch * 8 and a.op == "nonzero" for a in forward)
