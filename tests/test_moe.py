@@ -100,7 +100,7 @@ def test_grouped_mm_buffers_do_not_depend_on_routing() -> None:
 
 def test_routing_and_experts_kernel_are_in_the_assumptions() -> None:
     assert [a for a in build(_request(MIXTRAL)).assumptions if "expert" in a] == [
-        "experts: grouped_mm (transformers' default for MixtralForCausalLM, 1 MoE layers)",
+        "experts: grouped_mm (transformers' default for MixtralForCausalLM, 1 MoE layer)",
         "moe_routing: balanced (2 of 4 experts per token, tokens x 2 / 4 per expert; the buffers' sizes do not "
         "depend on routing, only the offsets' values)"]
 

@@ -186,7 +186,8 @@ def _experts_lines(model: torch.nn.Module, spec: TransformersModel) -> list[str]
     n = experts[0].num_experts
     k = next((m.top_k for m in model.modules() if isinstance(getattr(m, "top_k", None), int)),
              getattr(config, "num_experts_per_tok", None))
-    lines = [f"experts: {used} ({why} for {type(model).__name__}, {len(experts)} MoE layers)"]
+    layers = f"{len(experts)} MoE layer" + ("s" if len(experts) > 1 else "")
+    lines = [f"experts: {used} ({why} for {type(model).__name__}, {layers})"]
     share = f"{k} of {n} experts per token" if isinstance(k, int) else f"{n} experts"
     if spec.moe_routing == "balanced":
         spread = f"tokens x {k} / {n} per expert" if isinstance(k, int) else "tokens spread evenly"
