@@ -163,6 +163,42 @@ def _attention_line(model: torch.nn.Module, named: str | None) -> str:
     return f"attention: {used} ({why})" + "".join(others)
 
 
+def _check_experts(model_class: type, named: str | None) -> None:
+    """A named experts kernel on a class that cannot switch one (no ``@use_experts_implementation``) is the
+    request's error: transformers raises for grouped_mm and ignores the others."""
+    if named is not None and not getattr(model_class, "_can_set_experts_implementation", lambda: False)():
+        raise SpecError("model.experts_implementation", named,
+                        f"null ({model_class.__name__} has no experts kernel to choose)")
+
+
+def _experts_lines(model: torch.nn.Module, spec: TransformersModel) -> list[str]:
+    """The experts kernel the built model runs and the routing policy, for a mixture-of-experts model.
+
+    Experts are the modules ``@use_experts_implementation`` decorates (they carry ``num_experts`` and
+    ``_is_expert_parallel``); the router's ``top_k`` (or the config's ``num_experts_per_tok``) says how many
+    experts each token goes to."""
+    experts = [m for m in model.modules() if hasattr(m, "_is_expert_parallel") and hasattr(m, "num_experts")]
+    if not experts:
+        return []
+    config = model.config
+    used = getattr(experts[0].config, "_experts_implementation", None) or "eager"
+    why = "model.experts_implementation" if spec.experts_implementation else "transformers' default"
+    n = experts[0].num_experts
+    k = next((m.top_k for m in model.modules() if isinstance(getattr(m, "top_k", None), int)),
+             getattr(config, "num_experts_per_tok", None))
+    layers = f"{len(experts)} MoE layer" + ("s" if len(experts) > 1 else "")
+    lines = [f"experts: {used} ({why} for {type(model).__name__}, {layers})"]
+    share = f"{k} of {n} experts per token" if isinstance(k, int) else f"{n} experts"
+    if spec.moe_routing == "balanced":
+        spread = f"tokens x {k} / {n} per expert" if isinstance(k, int) else "tokens spread evenly"
+    else:
+        spread = f"every token to the same {k} experts" if isinstance(k, int) else "every token to the same experts"
+    kept = ("; the buffers' sizes do not depend on routing, only the offsets' values" if used == "grouped_mm" else
+            "; the buffers' sizes do not depend on routing" if used == "batched_mm" else "")
+    lines.append(f"moe_routing: {spec.moe_routing} ({share}, {spread}{kept})")
+    return lines
+
+
 def _position_key(config: Any) -> str | None:
     """The config key of the model's position table (None: no table to run past)."""
     if hasattr(config, "relative_attention_num_buckets"):
@@ -227,13 +263,18 @@ def build_transformers(spec: TransformersModel, inp: InputSpec) -> BuiltModel:
     # and flex kernels are only used when named, so the choice depends on the class alone, not on the device
     # or on which kernels are installed: a real GPU run with these packages picks the same.
     _check_attn(_get_model_class(config, auto._model_mapping), spec.attn_implementation)
+    _check_experts(_get_model_class(config, auto._model_mapping), spec.experts_implementation)
 
     def factory():
         # A config's torch_dtype is how the checkpoint is stored; training keeps
         # fp32 master weights (the recipe's precision decides the rest). The explicit None also undoes the
         # previous build's choice, which transformers leaves on the (shared) config.
+        from estimator.simulate.virtual_gpu.moe import ROUTING
+
+        ROUTING.set(spec.moe_routing)  # tokens per expert for the eager experts loop (virtual_gpu/moe.py)
         try:
-            return auto.from_config(config, attn_implementation=spec.attn_implementation, dtype=torch.float32)
+            return auto.from_config(config, attn_implementation=spec.attn_implementation,
+                                    experts_implementation=spec.experts_implementation, dtype=torch.float32)
         except ValueError as exc:  # a sub-model class without the named kernel (the top class is checked above)
             found = _NO_KERNEL.match(str(exc))
             if found is None:
@@ -244,6 +285,7 @@ def build_transformers(spec: TransformersModel, inp: InputSpec) -> BuiltModel:
     name = spec.preset or model_type
     model = probe(factory, "model.config", spec.config)
     assumptions.append(_attention_line(model, spec.attn_implementation))
+    assumptions.extend(_experts_lines(model, spec))
     if task == "image-classification":
         with given_values("model.config", spec.config, "integers num_channels and image_size"):
             c, side = int(getattr(config, "num_channels", 3)), int(getattr(config, "image_size", 224))

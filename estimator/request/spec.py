@@ -49,6 +49,9 @@ from estimator.request.recipe import (
 # The heads a transformers model can train, and its attention kernels.
 Task = Literal["causal-lm", "masked-lm", "sequence-classification", "seq2seq-lm", "image-classification"]
 AttnImplementation = Literal["eager", "sdpa"]
+# transformers' ExpertsInterface (integrations/moe.py) without the ones that fetch kernels (deepgemm, sonicmoe)
+ExpertsImplementation = Literal["eager", "batched_mm", "grouped_mm"]
+MoeRouting = Literal["balanced", "worst-case"]
 
 # NaN and infinities are refused in every typed field (a finite number is expected everywhere)
 _STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
@@ -81,6 +84,12 @@ class TransformersModel(BaseModel):
     attn_implementation: AttnImplementation | None = Field(
         None, description="transformers' attention kernel; null: the one transformers picks for the model's class "
         "(sdpa where the class supports it, else eager)", examples=["eager"])
+    experts_implementation: ExpertsImplementation | None = Field(
+        None, description="a mixture-of-experts model's experts kernel; null: the one transformers picks for the "
+        "class (grouped_mm where it can choose, else its own eager loop)", examples=["batched_mm"])
+    moe_routing: MoeRouting = Field(
+        "balanced", description="tokens per expert, which a real router decides from the data: balanced (tokens x "
+        "top-k spread evenly over the experts) or worst-case (every token to the same top-k experts)")
 
 
 class CustomModel(BaseModel):

@@ -483,6 +483,8 @@ def record_training(
             if recipe.cudnn_benchmark:
                 trace.assumptions.append(BENCHMARK_ASSUMPTION)
     trace.unsupported.extend(vgpu.unsupported)
+    if gpu is not None:
+        trace.assumptions.extend(vgpu.grouped_mm.assumptions(gpu.name))
     trace.sdpa_calls = sorted(vgpu.sdpa_calls, key=repr)
     # FLOPs of one optimizer step's forward and backward passes (all accumulation micro-batches), steady state
     trace.flops = recorder.step_flops(recipe.iterations - 1, accumulation)

@@ -33,6 +33,7 @@ from estimator.simulate.virtual_gpu.cudnn_rnn import CudnnRnns
 from estimator.simulate.virtual_gpu.device import DeviceProperties, Patches, patch_cuda_queries
 from estimator.simulate.virtual_gpu.engine import Engine, SavedTensors, TensorHooks
 from estimator.simulate.virtual_gpu.fake_mode import FakeMode, Shortcuts
+from estimator.simulate.virtual_gpu.moe import GroupedMM, Routing
 from estimator.simulate.virtual_gpu.streams import Streams
 from estimator.simulate.virtual_gpu.worst_case import WorstCase
 
@@ -119,11 +120,16 @@ class _DispatchMode(TorchDispatchMode):
         if func is torch.ops.aten._local_scalar_dense.default:
             return vgpu._scalar(args[0])
         policy = vgpu.worst_case
-        out = NotImplemented if policy is None else policy.dispatch(func, args, kwargs)
+        out = vgpu.grouped_mm.dispatch(func, args, kwargs)  # docs/DESIGN.md, fact 21
+        if out is NotImplemented:  # MoE routing first: its policy is the request's, the worst case a fallback
+            out = vgpu.routing.dispatch(func, args, kwargs)
+        if out is NotImplemented and policy is not None:
+            out = policy.dispatch(func, args, kwargs)
         if out is NotImplemented:
             out = func(*args, **kwargs)
         if policy is not None:
             policy.after(func, args, kwargs, out)
+        vgpu.routing.after(func, args, kwargs, out)
         vgpu.observer.on_op(func, args, kwargs, out)
         return out
 
@@ -183,6 +189,8 @@ class VirtualGPU:
         self.sdpa_calls: set = set()  # SdpaCall: what the attention backend choices read
         self.card_queries: list[str] = []  # torch.cuda questions whose answer depends on the card
         self.worst_case = worst_case  # data-dependent ops at their largest size, or None
+        self.grouped_mm = GroupedMM(self.capability if self.is_cuda else None)  # MoE experts' kernel
+        self.routing = Routing()  # tokens per expert in the eager experts loop (model.moe_routing)
         # Tests only: leave torch's C++ engine in charge (works for fake CPU tensors).
         self.cpp_engine = cpp_engine and gpu is None
         self.unsupported: list[str] = []
@@ -340,6 +348,8 @@ class VirtualGPU:
         if const is not None:
             with no_dispatch():  # a real tensor: read it without converting it to a fake one
                 return const.item()
+        if self.routing.owns(t):
+            return self.routing.scalar(t)
         if self._allow_item:
             # GradScaler's found_inf (0: no overflow, the steady state) and
             # optimizer step counters (>= 1 once a step has run).
