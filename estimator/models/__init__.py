@@ -157,11 +157,13 @@ def model_sources() -> dict[str, Any]:
 
     from estimator.models.torchvision_models import families
     from estimator.models.transformers_models import presets
-    from estimator.request.spec import AttnImplementation, Task
+    from estimator.request.spec import AttnImplementation, ExpertsImplementation, MoeRouting, Task
 
     return {
         "torchvision": families(),
         "timm": {"names": timm.list_models()},
         "transformers": {"presets": sorted(presets()), "tasks": list(get_args(Task)),
-                         "attn_implementation": list(get_args(AttnImplementation))},
+                         "attn_implementation": list(get_args(AttnImplementation)),
+                         "experts_implementation": list(get_args(ExpertsImplementation)),
+                         "moe_routing": list(get_args(MoeRouting))},
     }
