@@ -396,12 +396,14 @@ def test_deployment_settings_and_resources() -> None:
     volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
     cache_dir = str(Path(settings.cache_path).parent)
     assert "emptyDir" in volumes[mounts[cache_dir]]
-    # each worker is killed past worker_memory_bytes: all of them, plus 1 GiB for the server process, fit the limit
+    # each worker is killed past worker_memory_bytes: all of them, plus 1 GiB for the server process, fit the limit,
+    # and the limit holds no more than that and 2 GiB (memory a node could give other pods)
     resources = container["resources"]
     assert resources["requests"] == resources["limits"]  # Guaranteed QoS: never evicted first
     assert resources["limits"]["cpu"] == str(settings.workers)
     limit = _bytes(resources["limits"]["memory"])
-    assert settings.workers * settings.worker_memory_bytes + 2**30 <= limit <= 12 * 2**30
+    workers = settings.workers * settings.worker_memory_bytes
+    assert workers + 2**30 <= limit <= workers + 2 * 2**30
     # the image's user (Dockerfile: useradd --uid N), never root
     useradd = re.search(r"useradd\b[^\n]*--uid (\d+)", (ROOT / "Dockerfile").read_text())
     assert useradd, "the Dockerfile creates its user with useradd --uid"
