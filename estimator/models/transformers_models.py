@@ -30,6 +30,7 @@ from estimator.models import (
     tasks,
     unknown_name,
 )
+from estimator.models.routing import ROUTING
 from estimator.request.allowed import check_config
 from estimator.request.limits import MAX_SEQ_LEN
 from estimator.request.spec import AttnImplementation, InputSpec, Task, TransformersModel
@@ -269,8 +270,6 @@ def build_transformers(spec: TransformersModel, inp: InputSpec) -> BuiltModel:
         # A config's torch_dtype is how the checkpoint is stored; training keeps
         # fp32 master weights (the recipe's precision decides the rest). The explicit None also undoes the
         # previous build's choice, which transformers leaves on the (shared) config.
-        from estimator.simulate.virtual_gpu.moe import ROUTING
-
         ROUTING.set(spec.moe_routing)  # tokens per expert for the eager experts loop (virtual_gpu/moe.py)
         try:
             return auto.from_config(config, attn_implementation=spec.attn_implementation,

@@ -14,10 +14,11 @@ padded to 16 bytes) and lets the meta function answer the rest.
 
 from __future__ import annotations
 
-from contextvars import ContextVar
 from typing import Any
 
 import torch
+
+from estimator.models.routing import ROUTING
 
 aten = torch.ops.aten
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -120,9 +121,6 @@ def _bind(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
     return mat_a, mat_b, offs, bias, out_dtype
 
 
-# The request's model.moe_routing, set by the transformers builder's factory when it builds the model (each
-# simulation builds its model first, in the thread that simulates it).
-ROUTING: ContextVar[str] = ContextVar("batchfit_moe_routing", default="balanced")
 _FOLLOW = {aten.permute.default, aten.sum.dim_IntList, aten.gt.Scalar, aten.ge.Scalar, aten.ne.Scalar,
            aten.eq.Scalar, aten.unbind.int, aten.select.int, aten.index.Tensor, aten.view.default,
            aten._unsafe_view.default, aten.alias.default, aten.clone.default, aten.detach.default,
