@@ -200,6 +200,48 @@ def _experts_lines(model: torch.nn.Module, spec: TransformersModel) -> list[str]
     return lines
 
 
+# The pip distribution of each optional kernel package (transformers' own _PACKAGE_TO_DISTRIBUTION names only fla).
+_DISTRIBUTIONS = {"fla": "flash-linear-attention", "mamba_ssm": "mamba-ssm", "causal_conv1d": "causal-conv1d"}
+
+
+def _kernel_lines(model: torch.nn.Module, name: str) -> list[str]:
+    """Which path the optional fused kernels of a state-space or linear-attention model take.
+
+    transformers wraps each such function in ``use_kernel_func_from_hub_with_fallback`` (integrations/
+    hub_kernels.py): the original package (mamba-ssm, causal-conv1d, flash-linear-attention) when it imports,
+    otherwise the module's reference torch function, whatever the device (a Hub kernel only when
+    ``use_kernels`` is asked for). The wrapper keeps its choice in its closure (``is_new_implementation``), so
+    the functions of the model's own modeling modules say what both this simulation and a GPU node without
+    those packages run: the torch path, whose intermediates (the whole scan's states, the chunked delta rule's
+    blocks) the fused kernels would recompute in their backward instead of keeping."""
+    import sys
+
+    torch_path: dict[str, list[str]] = {}
+    fused: dict[str, list[str]] = {}
+    for module_name in sorted({type(m).__module__ for m in model.modules()}):
+        module = sys.modules.get(module_name)
+        if module is None or not module_name.startswith("transformers.models."):
+            continue
+        for value in vars(module).values():
+            closure = getattr(value, "__closure__", None)
+            if not inspect.isfunction(value) or not closure:
+                continue
+            free = dict(zip(value.__code__.co_freevars, (c.cell_contents for c in closure), strict=True))
+            package, func = free.get("package"), free.get("func_name")
+            if isinstance(package, str) and isinstance(func, str) and "is_new_implementation" in free:
+                dist = _DISTRIBUTIONS.get(package, package)
+                (fused if free["is_new_implementation"] else torch_path).setdefault(dist, []).append(func)
+    lines = []
+    if torch_path:
+        funcs = ", ".join(sorted({f for fs in torch_path.values() for f in fs}))
+        lines.append(f"{name}: the torch path for {funcs} ({', '.join(sorted(torch_path))} not installed, "
+                     "as on a GPU node without them); the fused kernels would use less memory")
+    if fused:
+        lines.append(f"{name}: the installed {', '.join(sorted(fused))} kernels "
+                     f"({', '.join(sorted({f for fs in fused.values() for f in fs}))})")
+    return lines
+
+
 def _position_key(config: Any) -> str | None:
     """The config key of the model's position table (None: no table to run past)."""
     if hasattr(config, "relative_attention_num_buckets"):
@@ -285,6 +327,7 @@ def build_transformers(spec: TransformersModel, inp: InputSpec) -> BuiltModel:
     model = probe(factory, "model.config", spec.config)
     assumptions.append(_attention_line(model, spec.attn_implementation))
     assumptions.extend(_experts_lines(model, spec))
+    assumptions.extend(_kernel_lines(model, name))
     if task == "image-classification":
         with given_values("model.config", spec.config, "integers num_channels and image_size"):
             c, side = int(getattr(config, "num_channels", 3)), int(getattr(config, "image_size", 224))

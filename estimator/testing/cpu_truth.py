@@ -7,6 +7,9 @@ allocator (tests/test_cpu_truth.py, bench/gpu_accuracy.py --cpu-selfcheck).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from estimator.request.recipe import Recipe
@@ -15,7 +18,8 @@ from estimator.testing.zoo import ZOO
 BATCH = 4
 
 
-def real_cpu_peak(name: str, recipe: Recipe, batch: int = BATCH) -> int:
+def real_cpu_peak(name: str, recipe: Recipe, batch: int = BATCH,
+                  factories: tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]] | None = None) -> int:
     """Peak live bytes of the CPU allocator over the loop the simulator runs, run for real.
 
     oneDNN stays off: its bf16 convolutions allocate a scratchpad of their own
@@ -23,10 +27,12 @@ def real_cpu_peak(name: str, recipe: Recipe, batch: int = BATCH) -> int:
     batch 4), CPU-only memory with no GPU counterpart (the GPU's convolution
     workspace is cuDNN's, modelled on its own); fp32 takes the same native path
     here either way.
+
+    ``factories`` (model, batch, loss), when given, replace ``ZOO[name]``: a test's own model.
     """
     from estimator.simulate.step import cast_model, prepare, run_steps
 
-    mf, bf, lf = ZOO[name]
+    mf, bf, lf = factories or ZOO[name]
     torch.manual_seed(0)
     profiling = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
     with torch.backends.mkldnn.flags(enabled=False), profiling as prof:
