@@ -43,6 +43,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
 WHOLE: dict[str, dict[str, Any]] = {  # configs given whole (the layer count is not num_hidden_layers alone)
     "nemotron_h": {"layers_block_type": ["linear_attention", "full_attention"]},  # len() is the layer count
     "zamba": {"num_hidden_layers": 4, "attn_layer_period": 1, "attn_layer_offset": 0},
+    "recurrent_gemma": {"num_hidden_layers": 2, "block_types": ["recurrent", "attention"]},  # pattern repeats
 }
 
 # Each type that simulates, with the fused-kernel package its assumption line names (besides causal-conv1d).
@@ -98,6 +99,14 @@ def test_hybrid_simulates_with_torch_path(model_type: str) -> None:
     assert len(lines) == 1, result.assumptions
     assert HYBRIDS[model_type] in lines[0] and CONV in lines[0] and "not installed" in lines[0]
     assert result.results[0].max_batch_size is not None and result.results[0].memory.allocated_peak_bytes > 0
+
+
+def test_recurrent_gemma_simulates_with_attention_kept() -> None:
+    """RecurrentGemma's RG-LRU is plain torch (no optional kernel, no torch-path line); the default block pattern
+    (recurrent, recurrent, attention) cut to two layers has no attention layer, so the cut keeps one."""
+    result = estimator.estimate(_request(cut_config("recurrent_gemma")))
+    assert not [a for a in result.assumptions if "torch path" in a]
+    assert result.results[0].max_batch_size is not None
 
 
 def test_only_linear_attention_layers_is_transformers_own_error() -> None:
