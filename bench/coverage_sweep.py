@@ -72,7 +72,7 @@ def main() -> int:
         if o.status != "simulates":
             g = f"{o.status} {_group(o.reason)}"
             reasons[task][g] += 1
-            example.setdefault(g, o.key)
+            example.setdefault(f"{task} {g}", o.key)
     print(f"\n{'PARTIAL: ' if partial else ''}{len(outcomes)} of {len(keys)} types swept")
     print(f"{'task':22} {'types':>5} {'simulates':>9} {'422':>5} {'fails':>5}")
     for task, c in by_task.items():
@@ -81,7 +81,7 @@ def main() -> int:
     for task, c in reasons.items():
         print(f"\n{task}:")
         for g, n in c.most_common():
-            print(f"  {n:3} x {g}   e.g. {example[g]}")
+            print(f"  {n:3} x {g}   e.g. {example[f'{task} {g}']}")
     excluded = exclusions()
     stale = [o.key for o in outcomes if o.status == "simulates" and o.key in excluded]
     if stale:

@@ -44,6 +44,9 @@ def test_layer_counts_and_per_layer_lists_are_cut_consistently() -> None:
     q = coverage.derive_config("qwen3_next")
     assert q["num_hidden_layers"] == len(q["layer_types"]) == 4
     assert set(q["layer_types"]) == {"linear_attention", "full_attention"}
+    assert "id2label" not in coverage.derive_config("bart", "seq2seq-lm")  # keyed by label, not by layer
+    g = coverage.derive_config("gemma3n_text")  # 4 sliding + 1 full making the cache, as many sharing it
+    assert (g["num_hidden_layers"], g["num_kv_shared_layers"]) == (10, 5)
 
 
 @pytest.mark.unit

@@ -131,7 +131,7 @@ def _cut(d: dict[str, Any]) -> dict[str, Any]:
                 if kept != value:
                     changes[key] = kept
         for key, value in d.items():  # per-layer settings keyed by layer index (gemma4's per_layer_config)
-            if isinstance(value, dict) and value and all(str(k).isdigit() for k in value):
+            if "layer" in key and isinstance(value, dict) and value and all(str(k).isdigit() for k in value):
                 kept_keys = {k: v for k, v in value.items() if int(k) < new}
                 if len(kept_keys) != len(value):
                     changes[key] = kept_keys
@@ -161,7 +161,8 @@ def derive_config(model_type: str, task: str = "causal-lm") -> dict[str, Any]:
     config = _cut(defaults)
     if task == "seq2seq-lm" and getattr(base, "decoder_start_token_id", None) is None:
         # Labels are shifted right from this token; checkpoints set it (0 or the pad id), some classes' defaults not.
-        config["decoder_start_token_id"] = base.pad_token_id if isinstance(base.pad_token_id, int) else 0
+        pad = getattr(base, "pad_token_id", None)
+        config["decoder_start_token_id"] = pad if isinstance(pad, int) else 0
     _merge(config, copy.deepcopy(extra))
     config["model_type"] = model_type
     return config
