@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 
-.PHONY: test test-fast test-all lint typecheck check serve bench clean
+.PHONY: test test-fast test-all lint typecheck check serve bench coverage clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,11 @@ serve: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/simulate_speed.py
+
+# The coverage sweep (issue 16): every transformers causal/masked/seq2seq-LM and image-classification type and
+# 100 seeded timm names, one simulated step each; prints simulates / 422 / fails per task and the failure reasons.
+coverage: $(STAMP)
+	$(PY) bench/coverage_sweep.py
 
 clean:
 	rm -rf $(VENV)
