@@ -38,6 +38,7 @@ bench: $(STAMP)
 # 100 seeded timm names, one simulated step each; prints simulates / 422 / fails per task and the failure reasons.
 coverage: $(STAMP)
 	$(PY) bench/coverage_sweep.py
+	BATCHFIT_COVERAGE=all $(PYTEST) tests/test_coverage.py tests/test_hybrid.py
 
 clean:
 	rm -rf $(VENV)
