@@ -226,7 +226,10 @@ def _kernel_lines(model: torch.nn.Module, name: str) -> list[str]:
             closure = getattr(value, "__closure__", None)
             if not inspect.isfunction(value) or not closure:
                 continue
-            free = dict(zip(value.__code__.co_freevars, (c.cell_contents for c in closure), strict=True))
+            try:
+                free = dict(zip(value.__code__.co_freevars, (c.cell_contents for c in closure), strict=True))
+            except ValueError:  # a cell not yet filled (a closure over a name assigned later): not a wrapper
+                continue
             package, func = free.get("package"), free.get("func_name")
             if isinstance(package, str) and isinstance(func, str) and "is_new_implementation" in free:
                 dist = _DISTRIBUTIONS.get(package, package)
