@@ -36,32 +36,35 @@ def node_labels(node: dict[str, Any]) -> dict[str, str]:
     return {k: v for k, v in mapping(mapping(node.get("metadata")).get("labels")).items() if isinstance(v, str)}
 
 
+def node_items(args: dict[str, Any]) -> list[dict[str, Any]]:
+    """The node objects of ``ExtenderArgs`` (``Nodes.items``; [] when only names came)."""
+    return [mapping(n) for n in listing(mapping(args.get("Nodes")).get("items"))]
+
+
+def hosts_of(args: dict[str, Any], items: list[dict[str, Any]]) -> list[str]:
+    """The candidates' names: the node objects', else ``NodeNames``."""
+    return [node_name(n) for n in items] or [n for n in listing(args.get("NodeNames")) if isinstance(n, str)]
+
+
 async def filter_nodes(args: dict[str, Any], estimates: Estimates, deadline: float) -> dict[str, Any]:
     """An ``ExtenderFilterResult`` for ``ExtenderArgs``."""
-    nodes = args.get("Nodes")
-    items = [mapping(n) for n in listing(mapping(nodes).get("items"))]
-    names = [n for n in listing(args.get("NodeNames")) if isinstance(n, str)]
+    items = node_items(args)
     failed: dict[str, str] = {}
     judged, _ = await _judge(args, items, estimates, deadline, "filter")
-    if judged:
-        for node in items:
-            answer = judged.get(node_name(node))
-            if answer is not None and not answer.fits:
-                failed[node_name(node)] = answer.shortfall()
-    passing = [n for n in items if node_name(n) not in failed]
-    result_nodes = None if nodes is None else {**mapping(nodes), "items": passing}
-    return {"Nodes": result_nodes, "NodeNames": [node_name(n) for n in passing] if items else names,
-            "FailedNodes": {}, "FailedAndUnresolvableNodes": failed, "Error": ""}
+    for node in items:
+        answer = judged.get(node_name(node))
+        if answer is not None and not answer.fits:
+            failed[node_name(node)] = answer.shortfall()
+    return _filter_result(args, items, failed)
 
 
 async def prioritize_nodes(args: dict[str, Any], estimates: Estimates, deadline: float) -> list[dict[str, Any]]:
     """A ``HostPriorityList`` for ``ExtenderArgs``: 0-10 per node, proportional to its headroom at the pod's
     batch (usable - reserved peak), or to its max batch when the pod gives none, the best node 10 and every
     node that fits at least 1; 0 for a node that does not fit or has no answer."""
-    items = [mapping(n) for n in listing(mapping(args.get("Nodes")).get("items"))]
-    hosts = [node_name(n) for n in items] or [n for n in listing(args.get("NodeNames")) if isinstance(n, str)]
+    items = node_items(args)
     judged, batch_given = await _judge(args, items, estimates, deadline, "prioritize")
-    values = {host: _merit(judged[host], batch_given) if host in judged else 0 for host in hosts}
+    values = {host: _merit(judged[host], batch_given) if host in judged else 0 for host in hosts_of(args, items)}
     best = max(values.values(), default=0)
     return [{"Host": host, "Score": max(1, math.floor(MAX_SCORE * value / best + 0.5)) if value > 0 else 0}
             for host, value in values.items()]
@@ -69,18 +72,22 @@ async def prioritize_nodes(args: dict[str, Any], estimates: Estimates, deadline:
 
 def passing_all(args: dict[str, Any]) -> dict[str, Any]:
     """The filter answer that passes every node (a defect's fallback: scheduling is never blocked)."""
-    nodes = args.get("Nodes")
-    items = [mapping(n) for n in listing(mapping(nodes).get("items"))]
-    names = [node_name(n) for n in items] or [n for n in listing(args.get("NodeNames")) if isinstance(n, str)]
-    return {"Nodes": None if nodes is None else {**mapping(nodes), "items": items}, "NodeNames": names,
-            "FailedNodes": {}, "FailedAndUnresolvableNodes": {}, "Error": ""}
+    return _filter_result(args, node_items(args), {})
 
 
 def scoring_none(args: dict[str, Any]) -> list[dict[str, Any]]:
     """Score 0 for every node (a defect's fallback)."""
-    items = [mapping(n) for n in listing(mapping(args.get("Nodes")).get("items"))]
-    hosts = [node_name(n) for n in items] or [n for n in listing(args.get("NodeNames")) if isinstance(n, str)]
-    return [{"Host": host, "Score": 0} for host in hosts]
+    return [{"Host": host, "Score": 0} for host in hosts_of(args, node_items(args))]
+
+
+def _filter_result(args: dict[str, Any], items: list[dict[str, Any]], failed: dict[str, str]) -> dict[str, Any]:
+    """The nodes not in ``failed`` pass: their objects unchanged in ``Nodes.items`` (what kube-scheduler reads
+    with ``nodeCacheCapable: false``) and their names in ``NodeNames``."""
+    nodes = args.get("Nodes")
+    passing = [n for n in items if node_name(n) not in failed]
+    return {"Nodes": None if nodes is None else {**mapping(nodes), "items": passing},
+            "NodeNames": [node_name(n) for n in passing] if items else hosts_of(args, []), "FailedNodes": {},
+            "FailedAndUnresolvableNodes": failed, "Error": ""}
 
 
 def _merit(answer: Answer, batch_given: bool) -> int:
