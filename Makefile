@@ -3,6 +3,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider
+# test-all runs the test files in this many processes (pytest-xdist; a file stays in one process, so that its
+# module fixtures, such as a service with workers, start once), and lists the slowest tests.
+JOBS ?= 2
 
 .PHONY: test test-fast test-all lint typecheck check serve bench coverage clean
 
@@ -16,7 +19,7 @@ test: lint typecheck test-all
 
 # Every test tier: unit, sim, zoo, service (gpu tests skip without a CUDA GPU).
 test-all: $(STAMP)
-	$(PYTEST) tests
+	$(PYTEST) -n $(JOBS) --dist loadfile --durations=25 tests
 
 # The quick loop: unit and small-zoo simulation tests (no full model zoo, no service workers).
 test-fast: $(STAMP)
