@@ -4,6 +4,8 @@ names each such op and the module that ran it, so a data-dependent size never ma
 
 from __future__ import annotations
 
+import asserting_models
+import pytest
 import torch
 from torch import nn
 
@@ -75,3 +77,36 @@ def test_the_masked_rows_are_every_element() -> None:
     forward = [a for a in trace.allocations if a.phase == Phase.FORWARD]
     assert any(a.nbytes == batch * WIDTH * 4 and a.module == "gate" and a.op == "index" for a in forward)
     assert any(a.nbytes == batch * 8 and a.op == "nonzero" for a in forward)
+
+
+def test_a_models_asserts_hold_under_the_worst_case() -> None:
+    """Every read in an assert answers True (a real run that trains passes its checks); the other read False.
+    The model lives in tests/asserting_models.py: pytest rewrites the asserts of test modules into ifs."""
+    request = parse_request({**REQUEST, "model": {"source": "custom", "factory": "asserting_models:make_checked"}},
+                            allow_local_code=True)
+    built = build(request)
+    trace = record_built(built, 8, recipe_of(request), None)
+    line = next(a for a in trace.assumptions if a.startswith("data-dependent ops at their worst case: "))
+    assert line == "data-dependent ops at their worst case: assert (holds) in Checked; bool() in Checked"
+    # the branch not taken: no (8, 64) fp32 output of ``h * 2`` in the forward
+    assert not any(a.op == "mul" and a.nbytes == 8 * WIDTH * 4 for a in trace.allocations if a.phase == Phase.FORWARD)
+
+
+@pytest.mark.parametrize("fn, reads, expected", [
+    (asserting_models.assert_item, "item", True),  # the call, then POP_JUMP_IF_TRUE to LOAD_ASSERTION_ERROR
+    (asserting_models.assert_and, "first", True),  # POP_JUMP_IF_FALSE to LOAD_ASSERTION_ERROR
+    (asserting_models.assert_and, "second", True),  # POP_JUMP_IF_TRUE, as a lone assert
+    (asserting_models.branch, "item", False),  # an if: its false branch is no assertion error
+])
+def test_which_reads_are_asserts(fn, reads: str, expected: bool) -> None:
+    import dis
+
+    from estimator.simulate.virtual_gpu.worst_case import _asserts_at
+
+    ops = list(dis.get_instructions(fn.__code__))
+    if reads == "item":
+        offset = next(i.offset for i in ops if i.opname.startswith("CALL"))
+    else:
+        jumps = [i.offset for i in ops if i.opname.startswith("POP_JUMP")]
+        offset = jumps[0] if reads == "first" else jumps[1]
+    assert _asserts_at(fn.__code__, offset) is expected

@@ -142,3 +142,36 @@ def test_an_experts_kernel_on_a_model_without_experts_is_the_requests_error() ->
 def test_unknown_values_are_refused(field: str, value: str) -> None:
     with pytest.raises(SpecError):
         _request(MIXTRAL, **{field: value})
+
+
+# JetMoE (its own gate, no experts kernel): JetMoeTopKGating scatters ones at each token's top-k into a
+# (tokens, experts) zeros tensor, sums over the tokens and reads the counts (``expert_size.tolist()``) to split
+# the sorted tokens between the experts (``split_with_sizes``); then one F.linear per expert.
+JETMOE = {"model_type": "jetmoe", "num_hidden_layers": 1, "hidden_size": H, "intermediate_size": INTER,
+          "num_local_experts": E, "num_experts_per_tok": K, "kv_channels": 16, "num_key_value_heads": 2,
+          "vocab_size": 1000, "max_position_embeddings": 256}
+
+
+def _jetmoe_expert_rows(routing: str) -> list[int]:
+    """Rows of each expert's input projection in the MoE MLP (its F.linear output: rows x 2 I fp32)."""
+    built = build(_request(JETMOE, moe_routing=routing))
+    trace = record_training(built.factory, built.batch_factory, built.loss_fn, 1, Recipe(), A100)
+    return [a.nbytes // (2 * INTER * F32) for a in trace.allocations
+            if a.iteration == 0 and a.phase == "forward" and a.module == "model.layers.0.mlp.input_linear"
+            and a.op == "mm"]
+
+
+def test_jetmoe_split_sizes_follow_balanced_routing() -> None:
+    # 16 tokens x top-2 = 32 (token, expert) pairs over 4 experts: 8 rows each, summing to the split's input
+    assert _jetmoe_expert_rows("balanced") == [S * K // E] * E
+
+
+def test_jetmoe_split_sizes_follow_worst_case_routing() -> None:
+    # every token to the same 2 experts: 16 rows each, and the other experts' empty splits allocate nothing
+    assert _jetmoe_expert_rows("worst-case") == [S] * K
+
+
+def test_jetmoe_routing_is_in_the_assumptions() -> None:
+    assert [a for a in build(_request(JETMOE)).assumptions if "expert" in a] == [
+        "moe_routing: balanced (2 of 4 experts per token, tokens x 2 / 4 per expert; JetMoeTopKGating's split "
+        "sizes, 2 gates)"]

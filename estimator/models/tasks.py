@@ -109,17 +109,27 @@ def _ids(b: int, s: int, device: Any) -> torch.Tensor:
     return torch.zeros(b, s, dtype=torch.long, device=device)  # (B, S)
 
 
-def text(task: str, seq_len: int, target_seq_len: int | None = None, *, attention_mask: bool = True) -> Callable:
-    """Batches for transformers' tasks; ``labels`` go in so the model computes its own loss."""
+def text(task: str, seq_len: int, target_seq_len: int | None = None, *, attention_mask: bool = True,
+         extra: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
+         label_len: int | None = None) -> Callable:
+    """Batches for transformers' tasks; ``labels`` go in so the model computes its own loss.
+
+    ``extra``: the inputs a model's training step needs besides the tokens (GIT's ``pixel_values``,
+    VoxtralRealtime's ``input_features``, X-MOD's ``lang_ids``), each as its shape after the batch dimension and
+    its dtype (floating: empty; integer: zeros, the first language). ``label_len``: the masked-LM labels'
+    length where the model decodes a fixed number of positions, whatever the input's (Perceiver)."""
     def make(b: int, device: Any):
         ids = _ids(b, seq_len, device)
         inputs: dict[str, torch.Tensor] = {"input_ids": ids}
         if attention_mask:
             inputs["attention_mask"] = torch.ones_like(ids)
+        for name, (shape, dtype) in (extra or {}).items():
+            make_tensor = torch.empty if dtype.is_floating_point else torch.zeros
+            inputs[name] = make_tensor(b, *shape, dtype=dtype, device=device)
         if task == "causal-lm":
             inputs["labels"] = ids  # the model shifts them (ForCausalLMLoss)
         elif task == "masked-lm":
-            inputs["labels"] = _ids(b, seq_len, device)
+            inputs["labels"] = _ids(b, label_len or seq_len, device)
         elif task == "sequence-classification":
             inputs["labels"] = torch.zeros(b, dtype=torch.long, device=device)
         elif task == "seq2seq-lm":

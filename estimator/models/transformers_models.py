@@ -172,30 +172,58 @@ def _check_experts(model_class: type, named: str | None) -> None:
                         f"null ({model_class.__name__} has no experts kernel to choose)")
 
 
+def _check_trains(model_class: type[torch.nn.Module], model_type: str, task: str) -> None:
+    """A text class whose forward takes no ``labels`` computes no loss, so there is no training step of its own to
+    simulate (batchfit's text tasks train on the model's loss): the request's error, named before the build.
+
+    Gemma 4's assistants are so: draft models for assisted decoding, whose forward takes the hidden states and
+    KV states of the model they draft for (``inputs_embeds``, ``shared_kv_states``) and returns logits only."""
+    params = inspect.signature(model_class.forward).parameters
+    if "labels" in params:
+        return
+    fed = " (an assisted-decoding draft model: the model it drafts for feeds it inputs_embeds and " \
+          "shared_kv_states)" if "shared_kv_states" in params else ""
+    raise SpecError("model.config.model_type", model_type,
+                    f"a model that trains on its own: {model_class.__name__}, its {task} class, takes no labels and "
+                    f"computes no loss{fed}")
+
+
+# Top-k gates outside transformers' experts kernels whose tokens per expert the simulation's routing answers
+# (virtual_gpu/moe.py, ``Routing``: JetMoE's split sizes, in its MoE MLP and its mixture of attention heads).
+_ROUTED_GATES = ("JetMoeTopKGating",)
+
+
 def _experts_lines(model: torch.nn.Module, spec: TransformersModel) -> list[str]:
     """The experts kernel the built model runs and the routing policy, for a mixture-of-experts model.
 
     Experts are the modules ``@use_experts_implementation`` decorates (they carry ``num_experts`` and
     ``_is_expert_parallel``); the router's ``top_k`` (or the config's ``num_experts_per_tok``) says how many
-    experts each token goes to."""
+    experts each token goes to. A model without them whose gates are in ``_ROUTED_GATES`` gets the routing
+    line alone (it has no experts kernel to choose)."""
     experts = [m for m in model.modules() if hasattr(m, "_is_expert_parallel") and hasattr(m, "num_experts")]
-    if not experts:
+    gates = [m for m in model.modules() if type(m).__name__ in _ROUTED_GATES]
+    if not experts and not gates:
         return []
-    config = model.config
-    used = getattr(experts[0].config, "_experts_implementation", None) or "eager"
-    why = "model.experts_implementation" if spec.experts_implementation else "transformers' default"
-    n = experts[0].num_experts
-    k = next((m.top_k for m in model.modules() if isinstance(getattr(m, "top_k", None), int)),
-             getattr(config, "num_experts_per_tok", None))
-    layers = f"{len(experts)} MoE layer" + ("s" if len(experts) > 1 else "")
-    lines = [f"experts: {used} ({why} for {type(model).__name__}, {layers})"]
+    lines, kept = [], ""
+    if experts:
+        config = model.config
+        used = getattr(experts[0].config, "_experts_implementation", None) or "eager"
+        why = "model.experts_implementation" if spec.experts_implementation else "transformers' default"
+        n = experts[0].num_experts
+        k = next((m.top_k for m in model.modules() if isinstance(getattr(m, "top_k", None), int)),
+                 getattr(config, "num_experts_per_tok", None))
+        layers = f"{len(experts)} MoE layer" + ("s" if len(experts) > 1 else "")
+        lines.append(f"experts: {used} ({why} for {type(model).__name__}, {layers})")
+        kept = ("; the buffers' sizes do not depend on routing, only the offsets' values" if used == "grouped_mm"
+                else "; the buffers' sizes do not depend on routing" if used == "batched_mm" else "")
+    else:
+        n, k = gates[0].num_experts, gates[0].top_k
+        kept = f"; {type(gates[0]).__name__}'s split sizes, {len(gates)} gate" + ("s" if len(gates) > 1 else "")
     share = f"{k} of {n} experts per token" if isinstance(k, int) else f"{n} experts"
     if spec.moe_routing == "balanced":
         spread = f"tokens x {k} / {n} per expert" if isinstance(k, int) else "tokens spread evenly"
     else:
         spread = f"every token to the same {k} experts" if isinstance(k, int) else "every token to the same experts"
-    kept = ("; the buffers' sizes do not depend on routing, only the offsets' values" if used == "grouped_mm" else
-            "; the buffers' sizes do not depend on routing" if used == "batched_mm" else "")
     lines.append(f"moe_routing: {spec.moe_routing} ({share}, {spread}{kept})")
     return lines
 
@@ -243,6 +271,74 @@ def _kernel_lines(model: torch.nn.Module, name: str) -> list[str]:
         lines.append(f"{name}: the installed {', '.join(sorted(fused))} kernels "
                      f"({', '.join(sorted({f for fs in fused.values() for f in fs}))})")
     return lines
+
+
+def _text_inputs(model: Any, config: Any, seq: int, spec: TransformersModel, inp: InputSpec) \
+        -> tuple[dict[str, tuple[tuple[int, ...], torch.dtype]], int | None, list[str]]:
+    """The inputs a text model's training step takes besides the token ids, as a real run feeds them, the
+    masked-LM labels' length where the model fixes it, and the assumption lines that say so.
+
+    - GitForCausalLM: its loss scores the text after the image tokens it prepends (``logits[:, num_image_tokens:
+      -1]``), so text alone leaves nothing to score: one image per sequence, of vision_config's num_channels and
+      image_size (a video config, ``num_image_with_embedding``, takes that many frames).
+    - X-MOD: each sequence's language (``lang_ids``) picks its adapter, and without them or a
+      ``default_language`` the model refuses to run: every sequence in the first of ``config.languages``, as
+      ``set_default_language(languages[0])`` would.
+    - VoxtralRealtime: its text tokens are aligned with the audio, each to ``audio_length_per_tok`` mel frames
+      (= the embedder's conv strides x ``downsample_factor``), which its encoder turns into one embedding added
+      to the token's: ``input_features`` of (num_mel_bins, seq_len x that) frames, labels as long as the text.
+    - PerceiverForMaskedLM: its decoder queries ``max_position_embeddings`` positions whatever the input's
+      length (the logits are that long): labels that long.
+    """
+    name = type(model).__name__
+    extra: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    lines: list[str] = []
+    label_len = None
+    if name == "GitForCausalLM":
+        vision = config.vision_config
+        with given_values("model.config", spec.config, "integers vision_config.num_channels and image_size"):
+            c, side = int(vision.num_channels), int(vision.image_size)
+        check_image(c, side, side, ("model.config.vision_config.num_channels", c),
+                    ("model.config.vision_config.image_size", side))
+        frames = getattr(config, "num_image_with_embedding", None)
+        shape = (c, side, side) if not frames else (int(frames), c, side, side)
+        extra["pixel_values"] = (shape, torch.float32)
+        tokens = model.git.encoder.layer[0].attention.self.image_patch_tokens
+        what = "one image" if not frames else f"{frames} frames (num_image_with_embedding)"
+        lines.append(f"pixel_values: {what} of {list(shape)} per sequence (vision_config's num_channels and "
+                     f"image_size): {name}'s loss scores the text after its {tokens} image tokens")
+    elif "lang_ids" in inspect.signature(type(model).forward).parameters \
+            and getattr(config, "default_language", None) is None:
+        languages = list(getattr(config, "languages", ()))
+        extra["lang_ids"] = ((), torch.long)
+        lines.append(f"lang_ids: every sequence in {languages[0] if languages else 'language 0'} (the first of "
+                     "model.config.languages, as set_default_language would; model.config.default_language "
+                     "chooses another)")
+    elif name == "VoxtralRealtimeForConditionalGeneration":
+        if inp.target_seq_len is not None and inp.target_seq_len != seq:
+            raise SpecError("input.target_seq_len", inp.target_seq_len,
+                            f"{seq} or null (= seq_len: {name}'s labels are its text tokens, aligned with the audio)")
+        embedder = model.model.audio_tower.embedder
+        stride = 1
+        for conv in embedder.modules():
+            if isinstance(conv, torch.nn.Conv1d):
+                stride *= conv.stride[0]
+        per_token, factor = int(config.audio_length_per_tok), int(config.downsample_factor)
+        if per_token != stride * factor:
+            raise SpecError("model.config.audio_length_per_tok", per_token,
+                            f"{stride * factor} (the encoder's conv stride {stride} x downsample_factor {factor}: "
+                            "one audio embedding per text token)")
+        mels = int(config.audio_config.num_mel_bins)
+        extra["input_features"] = ((mels, seq * per_token), torch.float32)
+        lines.append(f"input_features: [{mels}, {seq * per_token}] log-mel frames per sequence (audio_config."
+                     f"num_mel_bins; audio_length_per_tok {per_token} frames per text token, as {name}'s "
+                     "processor aligns audio and text)")
+    elif name == "PerceiverForMaskedLM":
+        label_len = int(config.max_position_embeddings)
+        if label_len != seq:
+            lines.append(f"labels: {label_len} positions ({name} decodes max_position_embeddings positions "
+                         f"whatever the input's {seq}; those past the input are padding)")
+    return extra, label_len, lines
 
 
 def _position_key(config: Any) -> str | None:
@@ -310,6 +406,8 @@ def build_transformers(spec: TransformersModel, inp: InputSpec) -> BuiltModel:
     # or on which kernels are installed: a real GPU run with these packages picks the same.
     _check_attn(_get_model_class(config, auto._model_mapping), spec.attn_implementation)
     _check_experts(_get_model_class(config, auto._model_mapping), spec.experts_implementation)
+    if task != "image-classification":
+        _check_trains(_get_model_class(config, auto._model_mapping), model_type, task)
 
     def factory():
         # A config's torch_dtype is how the checkpoint is stored; training keeps
@@ -355,11 +453,13 @@ def build_transformers(spec: TransformersModel, inp: InputSpec) -> BuiltModel:
     elif limit is not None and seq > limit:
         raise SpecError("input.seq_len", seq, f"at most {limit}, {name}'s maximum positions")
     resolved: dict[str, Any] = {"seq_len": seq}
+    extra, label_len, input_lines = _text_inputs(model, config, seq, spec, inp)
     target = None
     if task == "seq2seq-lm":
         target = inp.target_seq_len or seq
         if inp.target_seq_len is None:
             assumptions.append(f"input.target_seq_len not given: {target} (= seq_len)")
         resolved["target_seq_len"] = target
-    return BuiltModel(f"transformers:{name}", factory, tasks.text(task, seq, target), tasks.model_loss,
-                      resolved, count_parameters(model), assumptions)
+    assumptions.extend(input_lines)
+    return BuiltModel(f"transformers:{name}", factory, tasks.text(task, seq, target, extra=extra, label_len=label_len),
+                      tasks.model_loss, resolved, count_parameters(model), assumptions)

@@ -395,7 +395,7 @@ def _unsupported_hooks(model: torch.nn.Module) -> list[str]:
 
 
 WORST_CASE_ASSUMPTION = ("data-dependent sizes at their maximum (every mask element true, NMS keeps every box, "
-                         ".item() in the forward reads 0): an upper bound")
+                         ".item() in the forward reads 0, the model's asserts hold): an upper bound")
 
 
 def record_training(

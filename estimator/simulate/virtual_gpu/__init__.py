@@ -355,8 +355,7 @@ class VirtualGPU:
             # optimizer step counters (>= 1 once a step has run).
             return 0 if t.is_floating_point() and t.device.type != "cpu" else 1
         if self.worst_case is not None:
-            self.worst_case.note(".item()" if t.dtype != torch.bool else "bool()")
-            return False if t.dtype == torch.bool else 0
+            return self.worst_case.read(t)
         raise DataDependentError(
             "the model reads a tensor's value (.item(), bool(), a data-dependent shape), "
             "which a simulation without data cannot know",

@@ -144,50 +144,114 @@ class _Mask:
         """Tokens of the next expert the loop serves."""
         i, self.served = self.served, self.served + 1
         if self.policy == "worst-case":
-            return self.tokens  # each token picks every hit expert once among its top-k
+            return self.tokens  # the loop serves only the hit experts, each with every token
+        return self.count(i % self.experts)
+
+    def count(self, expert: int) -> int:
+        """Tokens that expert ``expert`` receives: balanced, tokens x top-k spread over the experts in turn;
+        worst case, every token to the first top-k experts (each token picks each of them once)."""
+        if self.policy == "worst-case":
+            return self.tokens if expert < self.top_k else 0
         pairs = self.tokens * self.top_k
-        return pairs // self.experts + (1 if i % self.experts < pairs % self.experts else 0)
+        return pairs // self.experts + (1 if expert < pairs % self.experts else 0)
 
 
 class Routing:
-    """Tokens per expert in transformers' eager experts loop, which reads them from the data.
+    """Tokens per expert in the experts loops that read them from the data.
 
-    The loop (``MixtralExperts.forward`` and the ~65 classes made from it) builds
+    transformers' eager loop (``MixtralExperts.forward`` and the ~65 classes made from it) builds
     ``one_hot(top_k_index, num_experts + 1)`` (the last class takes expert-parallel sentinels), finds the
     experts hit with ``nonzero``, skips the sentinel (``expert_idx == num_experts``) and gathers each
     expert's tokens with ``torch.where(expert_mask[expert_idx])``. Tensors derived from the one-hot mask are
     followed; their ``nonzero`` answers the policy's counts, and a read of their value says "not the
     sentinel" (False, or expert 0: every expert has the same shapes).
+
+    JetMoE's gate (``JetMoeTopKGating``) scatters ones into a (tokens, experts) zeros tensor at the top-k
+    indices, sums it over the tokens and reads the counts (``expert_size.tolist()``) to split the sorted
+    tokens between the experts (``split_with_sizes``); each count read answers the policy's count for that
+    expert, so that the split sizes add up to tokens x top-k.
     """
 
     def __init__(self) -> None:
         from torch.utils.weak import WeakIdKeyDictionary
 
         self.masks: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> the _Mask it derives from
+        self.zeros: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensors made as zeros, not written since
+        self.gates: WeakIdKeyDictionary = WeakIdKeyDictionary()  # (tokens, experts) top-k indicator -> _Mask
+        # per-expert counts -> (the _Mask, None), and one count read from them -> (the _Mask, its expert)
+        self.counts: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def owns(self, t: Any) -> bool:
-        return isinstance(t, torch.Tensor) and t in self.masks
+        return isinstance(t, torch.Tensor) and (t in self.masks or self.counts.get(t, (None, None))[1] is not None)
 
     def dispatch(self, func, args: tuple, kwargs: dict) -> Any:
-        if func is aten.nonzero.default and self.owns(args[0]):
+        if func is aten.nonzero.default and args[0] in self.masks:
             x, mask = args[0], self.masks[args[0]]
             rows = mask.hit() if x.dim() == 1 else mask.next_expert()
             return torch.empty((rows, x.dim()), dtype=torch.long, device=x.device)
         return NotImplemented
 
     def after(self, func, args: tuple, kwargs: dict, out: Any) -> None:
+        first = args[0] if args else None
+        if func in _ZEROS:
+            self.zeros[out] = True
+            return
+        if not isinstance(first, torch.Tensor):
+            return
+        was_zeros = bool(self.zeros) and first in self.zeros
+        if was_zeros and func._schema.is_mutable:
+            del self.zeros[first]  # written in place: no longer known to be zeros
         if func is aten.eq.Tensor and _one_hot(args):
             # one_hot(top_k_index, num_classes) on fake tensors: top_k_index.unsqueeze(-1) == arange(num_classes)
             idx, classes = args
             self.masks[out] = _Mask(idx.shape[0], idx.shape[1], classes.shape[0] - 1, ROUTING.get())
-        elif func in _FOLLOW and args and self.owns(args[0]):
-            mask = self.masks[args[0]]
+        elif func in _SCATTERS and was_zeros and _top_k_scatter(args):
+            tokens, experts = first.shape
+            self.gates[out] = _Mask(tokens, args[2].shape[1], experts, ROUTING.get())
+        elif self.masks and func in _FOLLOW and first in self.masks:
+            mask = self.masks[first]
             for t in out if isinstance(out, (list, tuple)) else (out,):
                 if isinstance(t, torch.Tensor):
                     self.masks[t] = mask
+        elif self.gates and first in self.gates:
+            if func in _KEEP:
+                self.gates[out] = self.gates[first]
+            elif func is aten.sum.dim_IntList and list(args[1]) in ([0], [-2]) and out.dim() == 1:
+                self.counts[out] = (self.gates[first], None)
+        elif self.counts and first in self.counts:
+            self._follow_counts(func, args, out)
+
+    def _follow_counts(self, func, args: tuple, out: Any) -> None:
+        """One expert's count from the per-expert counts (``tolist`` unbinds them and reads each)."""
+        mask, expert = self.counts[args[0]]
+        if func in _KEEP:
+            self.counts[out] = (mask, expert)
+        elif expert is None and func is aten.unbind.int and (args[1] if len(args) > 1 else 0) == 0:
+            for i, t in enumerate(out):
+                self.counts[t] = (mask, i)
+        elif expert is None and func is aten.select.int and args[1] == 0:
+            self.counts[out] = (mask, args[2] % mask.experts)
 
     def scalar(self, t: torch.Tensor) -> Any:
+        counted = self.counts.get(t)
+        if counted is not None and counted[1] is not None:
+            return counted[0].count(counted[1])
         return False if t.dtype == torch.bool else 0
+
+
+_ZEROS = {aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default}
+_SCATTERS = {aten.scatter.value, aten.scatter_.value}
+_KEEP = {aten._to_copy.default, aten.clone.default, aten.detach.default, aten.alias.default, aten.view.default,
+         aten._unsafe_view.default}
+
+
+def _top_k_scatter(args: tuple) -> bool:
+    """``zeros(tokens, experts).scatter(1, top_k_index, 1)``: a (tokens, top_k) integer index into dim 1."""
+    if len(args) != 4 or not all(isinstance(a, torch.Tensor) for a in (args[0], args[2])):
+        return False
+    x, dim, idx, value = args
+    return (x.dim() == 2 and dim in (1, -1) and idx.dim() == 2 and idx.shape[0] == x.shape[0]
+            and idx.shape[1] <= x.shape[1] and not idx.is_floating_point() and value == 1)
 
 
 def _one_hot(args: tuple) -> bool:

@@ -5,7 +5,11 @@ how many survive depends on the weights and the image. Without data we take
 the largest possible size: every mask element true, NMS keeps every box.
 The memory this predicts is an upper bound, so a batch it calls safe is.
 ``.item()`` in the forward returns 0 (a random choice's first option, a
-count of zero overflowed values); the report lists the policy.
+count of zero overflowed values) and ``bool()`` False, except in an
+``assert``: the model's own check of its data or activations (ProphetNet's
+"shifted_input_ids has only positive values", I-BERT's "no NaN in the
+activation") holds, as it does in a real run that trains (one where it
+failed would stop). The report lists the policy.
 
 ``WorstCase`` sits in the virtual GPU's dispatch mode, above the fake
 mode, so the tensors it makes are fake too.
@@ -13,7 +17,12 @@ mode, so the tensors it makes are fake too.
 
 from __future__ import annotations
 
+import dis
+import sys
 from collections.abc import Callable
+from functools import lru_cache
+from pathlib import Path
+from types import CodeType, FrameType
 from typing import Any
 
 import torch
@@ -34,8 +43,10 @@ class WorstCase:
 
     A mask built as ``zeros_like(x)`` then ``mask[idx] = 1`` has at most
     ``len(idx)`` nonzeros (how torchvision's detection samplers pick 512
-    proposals); ``a | b`` at most the sum, ``a & b`` at most the smaller.
-    Every other mask may be all true.
+    proposals); ``a | b`` at most the sum, ``a & b`` at most the smaller;
+    ``z == v`` (v not 0) and ``z != 0`` none where ``z`` is all zeros (X-MOD's
+    ``lang_ids == adapter_idx``, each sequence in the first language: the
+    other adapters get no rows). Every other mask may be all true.
     """
 
     def __init__(self, where: Callable[[], str] | None = None) -> None:
@@ -57,6 +68,14 @@ class WorstCase:
             more = f" and {len(modules) - most} more" if len(modules) > most else ""
             parts.append(f"{op} in {', '.join(modules[:most])}{more}")
         return "; ".join(parts)
+
+    def read(self, t: torch.Tensor) -> Any:
+        """The value ``.item()`` / ``bool()`` of ``t`` reads: True (1) in an ``assert``, else False (0)."""
+        if _asserting():
+            self.note("assert (holds)")
+            return True if t.dtype == torch.bool else 1
+        self.note(".item()" if t.dtype != torch.bool else "bool()")
+        return False if t.dtype == torch.bool else 0
 
     def bound(self, t: Any) -> int:
         if not isinstance(t, torch.Tensor):
@@ -108,6 +127,11 @@ class WorstCase:
                 self.bounds[out] = 0
             else:
                 self.bounds.pop(out, None)
+        elif func in (aten.eq.Scalar, aten.ne.Scalar) and isinstance(args[0], torch.Tensor) \
+                and self.bounds.get(args[0]) == 0:
+            # an all-zeros tensor (ids made as zeros: X-MOD's lang_ids) against a scalar: all false, or all true
+            if (func is aten.eq.Scalar) == (args[1] != 0):
+                self.bounds[out] = 0
         elif func in _INDEX_PUTS:
             written = args[1][0].shape[0] if args[1] and isinstance(args[1][0], torch.Tensor) else out.numel()
             self.bounds[out] = min(out.numel(), self.bound(args[0]) + written)
@@ -126,3 +150,34 @@ class WorstCase:
 
 def _has_mask(indices) -> bool:
     return any(isinstance(i, torch.Tensor) and i.dtype in _MASK_DTYPES for i in indices)
+
+
+# Frames that run between the model's code and the read: torch (dispatch, FakeTensor.tolist) and the virtual GPU.
+_MACHINERY = (str(Path(torch.__file__).parent), str(Path(__file__).parent))
+
+
+def _asserting() -> bool:
+    """Whether the innermost frame outside torch and the virtual GPU reads the value for an ``assert``."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_MACHINERY):
+        frame = frame.f_back
+    return frame is not None and _asserts_at(frame.f_code, frame.f_lasti)
+
+
+@lru_cache(maxsize=1024)
+def _asserts_at(code: CodeType, offset: int) -> bool:
+    """Whether the instruction at ``offset`` (``bool(t)``: a conditional jump; ``t.item()``: a call whose result
+    a jump tests next) goes to ``LOAD_ASSERTION_ERROR`` when the value is false: ``assert cond, msg``."""
+    ops = [i for i in dis.get_instructions(code) if i.opname != "TO_BOOL"]  # 3.13 tests truth in its own op
+    at = next((n for n, i in enumerate(ops) if i.offset == offset), None)
+    if at is not None and ops[at].opname.startswith("CALL") and at + 1 < len(ops):
+        at += 1  # .item(): the value is what the next instruction tests
+    if at is None or not ops[at].opname.startswith("POP_JUMP"):
+        return False
+    if ops[at].opname.endswith("IF_TRUE"):  # falls through when false
+        on_false = ops[at + 1] if at + 1 < len(ops) else None
+    elif ops[at].opname.endswith("IF_FALSE"):  # jumps when false
+        on_false = next((i for i in ops if i.offset == ops[at].argval), None)
+    else:
+        return False
+    return on_false is not None and on_false.opname == "LOAD_ASSERTION_ERROR"
