@@ -50,6 +50,37 @@ def test_layer_counts_and_per_layer_lists_are_cut_consistently() -> None:
 
 
 @pytest.mark.unit
+def test_the_cut_keeps_sections_whole_periods_and_one_layer_of_an_indexed_kind() -> None:
+    """dory: input + recurrent + output layers sum to the total, and its layer_types (an (attention, mlp) pair per
+    layer, 3 sliding then 1 full) repeat every 8 entries; the config class accepts the cut (it checks the sum)."""
+    from transformers import AutoConfig
+
+    d = coverage.derive_config("dory")
+    assert (d["num_hidden_layers"], d["n_input_layers"], d["n_recurrent_layers"], d["n_output_layers"]) == (8, 2, 4, 2)
+    assert d["layer_types"] == ["sliding_attention", "mlp"] * 3 + ["full_attention", "mlp"]
+    built = AutoConfig.for_model("dory", **{k: v for k, v in d.items() if k != "model_type"})
+    assert (built.num_hidden_layers, built.n_recurrent_layers) == (4, 2)
+    assert built.layer_types == ["sliding_attention"] * 3 + ["full_attention"]
+    # a repeating pattern keeps a whole period even where a shorter prefix names every kind
+    assert coverage._cut({"num_hidden_layers": 6, "layer_types": ["a", "b", "b"] * 2})["layer_types"] == ["a", "b", "b"]
+    # indices of one kind of layer, all cut (bamba's attention at 9, 18, 27): the last layer kept is of that kind
+    assert coverage._cut({"num_hidden_layers": 32, "attn_layer_indices": [9, 18, 27]})["attn_layer_indices"] == [1]
+    assert coverage._cut({"num_hidden_layers": 32, "attn_layer_indices": [1, 9]})["attn_layer_indices"] == [1]
+    assert "mlp_only_layers" not in coverage._cut({"num_hidden_layers": 32, "mlp_only_layers": []})
+
+
+@pytest.mark.unit
+def test_an_override_may_hold_for_one_task_and_set_the_input() -> None:
+    """reformer: its causal LM needs is_decoder, its masked LM must not have it; both train only at
+    seq_len = prod(axial_pos_shape)."""
+    causal = coverage.transformers_request("causal-lm", "reformer")
+    masked = coverage.transformers_request("masked-lm", "reformer")
+    assert causal["model"]["config"]["is_decoder"] is True and "is_decoder" not in masked["model"]["config"]
+    assert causal["input"] == masked["input"] == {"seq_len": 4096}
+    assert coverage.transformers_request("causal-lm", "llama")["input"] == {"seq_len": coverage.SEQ_LEN}
+
+
+@pytest.mark.unit
 def test_exclusions_give_reasons() -> None:
     for key, reason in coverage.exclusions().items():
         assert ":" in key and isinstance(reason, str) and reason.strip(), key

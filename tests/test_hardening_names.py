@@ -139,6 +139,21 @@ def test_nested_model_types_are_checked_against_transformers() -> None:
     assert info.value.field == "model.config.encoder.model_type" and "did you mean bert" in info.value.expected
 
 
+def test_an_empty_nested_model_type_names_nothing() -> None:
+    """A sub-config class that is no registered type saves model_type "" (nemo_speechlm's diarization
+    head_config); its parent builds it from its own class, so "" passes below the top, and only there."""
+    from estimator.request.allowed import check_config
+
+    known = {"gpt2", "nemo_speechlm"}
+    nested = {"model_type": "nemo_speechlm", "audio_config": {"head_config": {"model_type": ""}}}
+    check_config(nested, known_types=known)
+    with pytest.raises(SpecError) as info:
+        check_config({"model_type": ""}, known_types=known)
+    assert info.value.field == "model.config.model_type"
+    with pytest.raises(SpecError):
+        check_config({"model_type": "gpt2", "x": {"model_type": "gpt3"}}, known_types=known)
+
+
 # --- timm and torchvision kwargs: an allow-list -------------------------------------------------------
 
 REFUSED_KWARGS = [

@@ -218,3 +218,24 @@ def test_every_task_of_the_schema_has_a_transformers_head() -> None:
     from estimator.request.spec import Task
 
     assert set(AUTO_CLASSES) == set(get_args(Task))
+
+
+def test_a_sub_models_task_class_is_built_from_its_sub_config() -> None:
+    """musicgen's causal LM is its decoder (MusicgenForCausalLM takes the decoder sub-config, which no auto
+    mapping holds); an encoder-decoder without a pad id (which shifting the labels right needs) takes its
+    decoder's. Both say so among the assumptions."""
+    from estimator.models import build
+
+    small = {"num_hidden_layers": 1, "hidden_size": 64, "num_attention_heads": 2, "ffn_dim": 128}
+    built = build(parse_request(_req({"source": "transformers", "task": "causal-lm",
+                                      "config": {"model_type": "musicgen", "decoder": small}})))
+    model = built.factory()
+    assert type(model).__name__ == "MusicgenForCausalLM" and model.config.hidden_size == 64
+    assert "MusicgenForCausalLM is built from the config's decoder" in built.assumptions
+    bert = {"model_type": "bert", "num_hidden_layers": 1, "hidden_size": 64, "num_attention_heads": 2,
+            "intermediate_size": 128, "pad_token_id": 3}
+    built = build(parse_request(_req({"source": "transformers", "task": "seq2seq-lm", "config": {
+        "model_type": "encoder-decoder", "encoder": bert, "decoder": {**bert, "is_decoder": True},
+        "decoder_start_token_id": 0}})))
+    assert built.factory().config.pad_token_id == 3
+    assert "pad_token_id unset: using 3 (the decoder's)" in built.assumptions

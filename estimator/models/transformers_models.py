@@ -366,6 +366,26 @@ def max_positions(spec: TransformersModel) -> int | None:
     return min(limit, MAX_SEQ_LEN) if limit is not None else None
 
 
+def _model_config(config: Any, model_class: type, assumptions: list[str]) -> Any:
+    """The config ``model_class`` is built from. A composite config whose task class is one sub-model's (musicgen's
+    causal LM is its decoder, built from the ``decoder`` sub-config) gives that sub-config, as transformers'
+    ``from_config`` does for a ``text_config`` only; an encoder-decoder without a pad id (which shifting the labels
+    right needs) takes its decoder's."""
+    wanted = getattr(model_class, "config_class", None)
+    if wanted is not None and not isinstance(config, wanted):  # a text_config: from_config takes it itself
+        subs = [key for key in getattr(config, "sub_configs", {})
+                if key != "text_config" and isinstance(getattr(config, key, None), wanted)]
+        if len(subs) == 1:
+            assumptions.append(f"{model_class.__name__} is built from the config's {subs[0]}")
+            return getattr(config, subs[0])
+    pad = getattr(getattr(config, "decoder", None), "pad_token_id", None)
+    if getattr(config, "is_encoder_decoder", False) and getattr(config, "pad_token_id", None) is None \
+            and isinstance(pad, int):
+        config.pad_token_id = pad
+        assumptions.append(f"pad_token_id unset: using {config.pad_token_id} (the decoder's)")
+    return config
+
+
 def build_transformers(spec: TransformersModel, inp: InputSpec) -> BuiltModel:
     import transformers
     from transformers import AutoConfig
@@ -394,6 +414,10 @@ def build_transformers(spec: TransformersModel, inp: InputSpec) -> BuiltModel:
                      if type(config) in getattr(transformers, name)._model_mapping]
         raise SpecError("model.task", task, f"a task {model_type} supports: {', '.join(supported) or 'none'}")
     assumptions: list[str] = []
+    model_class = _get_model_class(config, auto._model_mapping)
+    config = _model_config(config, model_class, assumptions)
+    # A sub-model's config (musicgen's decoder) is no key of the auto mapping: its class builds it, as from_config would
+    make = auto.from_config if type(config) in auto._model_mapping else model_class._from_config
     if task == "sequence-classification" and getattr(config, "pad_token_id", None) is None:
         # Decoder-only classifiers find the last token through the pad id.
         config.pad_token_id = config.eos_token_id if isinstance(config.eos_token_id, int) else 0
@@ -404,10 +428,10 @@ def build_transformers(spec: TransformersModel, inp: InputSpec) -> BuiltModel:
     # modeling_utils.py) tries "sdpa" and falls back to "eager" when the class's _supports_sdpa is False. Flash
     # and flex kernels are only used when named, so the choice depends on the class alone, not on the device
     # or on which kernels are installed: a real GPU run with these packages picks the same.
-    _check_attn(_get_model_class(config, auto._model_mapping), spec.attn_implementation)
-    _check_experts(_get_model_class(config, auto._model_mapping), spec.experts_implementation)
+    _check_attn(model_class, spec.attn_implementation)
+    _check_experts(model_class, spec.experts_implementation)
     if task != "image-classification":
-        _check_trains(_get_model_class(config, auto._model_mapping), model_type, task)
+        _check_trains(model_class, model_type, task)
 
     def factory():
         # A config's torch_dtype is how the checkpoint is stored; training keeps
@@ -415,8 +439,8 @@ def build_transformers(spec: TransformersModel, inp: InputSpec) -> BuiltModel:
         # previous build's choice, which transformers leaves on the (shared) config.
         ROUTING.set(spec.moe_routing)  # tokens per expert for the eager experts loop (virtual_gpu/moe.py)
         try:
-            return auto.from_config(config, attn_implementation=spec.attn_implementation,
-                                    experts_implementation=spec.experts_implementation, dtype=torch.float32)
+            return make(config, attn_implementation=spec.attn_implementation,
+                        experts_implementation=spec.experts_implementation, dtype=torch.float32)
         except ValueError as exc:  # a sub-model class without the named kernel (the top class is checked above)
             found = _NO_KERNEL.match(str(exc))
             if found is None:

@@ -159,15 +159,17 @@ def _check_kwargs(source: str, off: dict[str, Any], kwargs: dict[str, Any], path
 
 
 def check_config(config: Any, path: str = "model.config", *, known_types: Collection[str] | None = None,
-                 is_timm_model: Callable[[str], bool] | None = None) -> None:
+                 is_timm_model: Callable[[str], bool] | None = None, nested: bool = False) -> None:
     """Refuse what an inline transformers config may not name, at any depth (dicts inside lists too).
 
     ``known_types`` (transformers' ``CONFIG_MAPPING``) and ``is_timm_model`` (``timm.is_model``) check
     names against the installed libraries; without them (``check_request``) only the library-free rules run.
+    A sub-config's empty ``model_type`` names nothing: a config class that is no registered type (nemo_speechlm's
+    diarization head_config) saves it so, and its parent builds it from its own class, not by that name.
     """
     if isinstance(config, list):
         for i, item in enumerate(config):
-            check_config(item, f"{path}[{i}]", known_types=known_types, is_timm_model=is_timm_model)
+            check_config(item, f"{path}[{i}]", known_types=known_types, is_timm_model=is_timm_model, nested=True)
         return
     if not isinstance(config, dict):
         refuse_paths(config, path)
@@ -191,9 +193,10 @@ def check_config(config: Any, path: str = "model.config", *, known_types: Collec
             _check_kwargs("timm", {}, value, where)  # transformers passes pretrained=False itself
             continue
         if key == "model_type":
-            _check_model_type(value, where, known_types)
+            if not (nested and value == ""):
+                _check_model_type(value, where, known_types)
             continue
-        check_config(value, where, known_types=known_types, is_timm_model=is_timm_model)
+        check_config(value, where, known_types=known_types, is_timm_model=is_timm_model, nested=True)
 
 
 def _check_model_type(value: Any, path: str, known_types: Collection[str] | None) -> None:

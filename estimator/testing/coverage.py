@@ -11,16 +11,23 @@ the class's defaults, so the layers simulated are the real ones):
 - every integer attribute naming a layer count (``num_hidden_layers``, ``n_layer``, ``encoder_layers``, ...) is
   cut to at most 2, in the config and in every sub-config (``text_config``, ``encoder``, ...); a hybrid whose
   per-layer list needs more leading entries to hold one layer of every kind (qwen3_next's three linear-attention
-  layers before its first full one) keeps that many, up to ``MAX_LAYERS``;
+  layers before its first full one) keeps that many, a whole period where the list repeats one (dory's
+  (attention, mlp) pairs in groups of four: 8 entries), up to ``MAX_LAYERS``;
+- counts that split another into sections (dory: input + recurrent + output layers = num_hidden_layers) keep
+  their sum: each section gets its share of the new total, at least one layer;
 - a per-layer list whose length was one of those counts (``layer_types``, ``block_types``, ...) keeps its first
   entries, as many as the new count;
 - a seq2seq config without ``decoder_start_token_id`` (labels are shifted right from it) gets its pad id, or 0;
 - a list of layer indices (``attn_layer_indices``, ``mlp_only_layers``, ...) keeps the indices below the new
-  count, and so does a dict keyed by layer index (``per_layer_config``); a count of shared layers
+  count, or, where it named layers that are all cut (bamba's attention at 9, 18, 27), the last kept layer, so that
+  the kind it names is still simulated; a dict keyed by layer index (``per_layer_config``) keeps the indices
+  below the new count; a count of shared layers
   (``num_kv_shared_layers``, the last layers) becomes half the new count, the new count doubled first where the
   pattern needs more than 2, so that both the layers making the cache and those sharing it hold every kind;
 - coverage_overrides.json (each entry with its reason), where a class needs it: its keys are given to the
-  config class before the defaults are read, and merged over the derived config last.
+  config class before the defaults are read, and merged over the derived config last; an entry keyed
+  "task:type" holds for that task only, and its ``input`` replaces request input fields where a model trains
+  only at another sequence length (reformer's axial positions).
 
 Outcomes: ``simulates``; ``422`` (a batchfit ``SpecError`` with its stated reason); ``fails`` (any other
 exception: its type and first line).
@@ -70,8 +77,15 @@ def _json(name: str) -> dict[str, Any]:
 
 
 def overrides() -> dict[str, dict[str, Any]]:
-    """model type -> {"reason": why, "config": keys merged over the derived config}."""
+    """model type (or "task:type") -> {"reason": why, "config": keys merged over the derived config, "input":
+    the request's input fields, where given}."""
     return _json("coverage_overrides.json")
+
+
+def override(model_type: str, task: str) -> dict[str, Any]:
+    """The override for ``model_type`` in ``task``: a "task:type" entry before the type's own."""
+    table = overrides()
+    return table.get(f"{task}:{model_type}", table.get(model_type, {}))
 
 
 def exclusions() -> dict[str, str]:
@@ -94,6 +108,36 @@ def timm_names() -> list[str]:
     return random.Random(TIMM_SEED).sample(names, min(TIMM_SAMPLE, len(names)))
 
 
+def _kinds(entries: list[Any]) -> set[str]:
+    return {json.dumps(v, sort_keys=True) for v in entries}
+
+
+def _pattern_length(entries: list[Any]) -> int | None:
+    """How many leading entries of a per-layer list keep one layer of every kind it names: its whole period where
+    the list repeats one (dory's (attention, mlp) pairs: cutting inside a pair or a group of four breaks it),
+    else its shortest prefix holding every kind (zamba's two leading Mamba layers, then its pattern)."""
+    try:
+        kinds = _kinds(entries)
+    except TypeError:
+        return None
+    n = len(entries)
+    period = next(p for p in range(1, n + 1) if all(entries[i] == entries[i % p] for i in range(n)))
+    if period <= MAX_LAYERS and period < n:
+        return period
+    return next(k for k in range(1, n + 1) if _kinds(entries[:k]) == kinds)
+
+
+def _shares(total: int, parts: dict[str, int], new: int) -> dict[str, int]:
+    """``parts`` (counts summing to ``total``) scaled to sum to ``new``, each at least 1 (largest remainders)."""
+    exact = {key: value * new / total for key, value in parts.items()}
+    out = {key: max(1, int(x)) for key, x in exact.items()}
+    for key in sorted(exact, key=lambda k: exact[k] - int(exact[k]), reverse=True):
+        if sum(out.values()) >= new:
+            break
+        out[key] += 1
+    return out
+
+
 def _cut(d: dict[str, Any]) -> dict[str, Any]:
     """The changed keys of one config dict (see the module docstring); recurses into sub-config dicts."""
     changes: dict[str, Any] = {}
@@ -103,19 +147,25 @@ def _cut(d: dict[str, Any]) -> dict[str, Any]:
     per_layer = {key: value for key, value in d.items() if isinstance(value, list) and len(value) in old_counts}
     new = NEW_LAYERS
     for entries in per_layer.values():  # keep one layer of every kind a per-layer list names (a hybrid's pattern)
-        try:
-            kinds = {json.dumps(v, sort_keys=True) for v in entries}
-            prefix = next(n for n in range(1, len(entries) + 1)
-                          if {json.dumps(v, sort_keys=True) for v in entries[:n]} == kinds)
-        except (TypeError, StopIteration):
-            continue
-        if prefix <= MAX_LAYERS:
-            new = max(new, prefix)
+        length = _pattern_length(entries)
+        if length is not None and length <= MAX_LAYERS:
+            new = max(new, length)
     main = max(counts.values(), default=0)
     shared = [key for key, value in counts.items() if "shared" in key and 0 < value < main]
     if shared and new > NEW_LAYERS:  # the layers that produce a cache hold every kind too, and so do those sharing it
         new *= 2
+    # Counts that split another into sections (dory: input + recurrent + output layers = num_hidden_layers) keep
+    # their sum: each section its share of the new total, at least one layer.
+    parts: dict[str, int] = {}
+    total_key = next((key for key, value in counts.items() if value > new
+                      and sum(v for k, v in counts.items() if k != key and 0 < v < value) == value), None)
+    if total_key is not None:
+        parts = {k: v for k, v in counts.items() if k != total_key and 0 < v < counts[total_key]}
+        new = max(new, len(parts))
+        changes.update(_shares(counts[total_key], parts, new))
     for key, value in counts.items():
+        if key in parts:
+            continue
         if key in shared:  # a share of the layers (gemma3n's kv-shared ones): half of them, or 1 of 2
             changes[key] = new // 2
         elif value > new:
@@ -127,7 +177,8 @@ def _cut(d: dict[str, Any]) -> dict[str, Any]:
             if key in per_layer:  # one entry per layer
                 changes[key] = value[:new]
             elif _INDEX_LIST.search(key) and all(isinstance(i, int) and not isinstance(i, bool) for i in value):
-                kept = [i for i in value if i < new]
+                # the layers of one kind (bamba's attention at 9, 18, 27): those kept, or the last layer kept
+                kept = [i for i in value if i < new] or ([new - 1] if value else [])
                 if kept != value:
                     changes[key] = kept
         for key, value in d.items():  # per-layer settings keyed by layer index (gemma4's per_layer_config)
@@ -155,7 +206,7 @@ def derive_config(model_type: str, task: str = "causal-lm") -> dict[str, Any]:
     """The small inline config for ``model_type``: the class's defaults with layer counts cut, plus overrides."""
     from transformers import AutoConfig
 
-    extra = overrides().get(model_type, {}).get("config", {})
+    extra = override(model_type, task).get("config", {})
     base = AutoConfig.for_model(model_type, **copy.deepcopy(extra))
     defaults = base.to_dict()
     config = _cut(defaults)
@@ -175,7 +226,7 @@ def transformers_request(task: str, model_type: str) -> dict[str, Any]:
         "planner": {"curve_points": 0, "confirm": "none", "suggestions": False},
     }
     if task != "image-classification":
-        req["input"] = {"seq_len": SEQ_LEN}
+        req["input"] = {"seq_len": SEQ_LEN, **override(model_type, task).get("input", {})}
     return req
 
 
