@@ -189,3 +189,70 @@ def test_amp_bf16_with_checkpointing_on_a_card_that_emulates_bf16() -> None:
     assert report.fits
     with VirtualGPU(get_gpu("T4-16GB")):
         assert torch.cuda.is_bf16_supported() and not torch.cuda.is_bf16_supported(including_emulation=False)
+
+
+class _SharedChild(nn.Module):
+    """One Linear registered under two parents (CoaT's shared_cpe / shared_crpe): Module._apply's recursion
+    reaches it twice, the second time with fake parameters, which torch can only swap (and cannot: weakref)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        shared = nn.Linear(8, 8)
+        self.a, self.b = nn.Sequential(shared), nn.Sequential(shared, nn.Linear(8, 8))
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+class _CastsInForward(nn.Module):
+    """switch_transformers' router: ``self.classifier = self.classifier.to(self.dtype)`` in its forward."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.classifier, self.dtype = nn.Linear(8, 8), dtype
+
+    def forward(self, x):
+        self.classifier = self.classifier.to(self.dtype)
+        return self.classifier(x.to(self.dtype)).float()
+
+
+def test_a_module_shared_by_two_parents_materializes_once() -> None:
+    meta = _SharedChild().to("meta")
+    with VirtualGPU(get_gpu("A100-80GB")) as vgpu:
+        model = vgpu.materialize(meta)
+        assert model.a[0] is model.b[0] and model.a[0].weight.device.type == "cuda"
+    trace = record_training(_SharedChild, lambda b, d: (torch.empty(b, 8, device=d), None),
+                            lambda out, _: out.sum(), 2, Recipe(), get_gpu("A100-80GB"))
+    params = [a for a in trace.allocations if a.category == "parameter"]
+    assert len(params) == 4  # two Linears' weight and bias, the shared one once
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_forward_that_converts_its_own_submodule(dtype) -> None:
+    # a real CUDA parameter is converted in place (param.data = ...): the same Parameter, the optimizer's
+    meta = nn.Linear(8, 8, device="meta")
+    with VirtualGPU(get_gpu("A100-80GB")) as vgpu:
+        lin = vgpu.materialize(meta)
+        weight = lin.weight
+        assert lin.to(dtype) is lin and lin.weight is weight and weight.dtype == dtype
+    trace = record_training(lambda: _CastsInForward(dtype), lambda b, d: (torch.empty(b, 8, device=d), None),
+                            lambda out, _: out.sum(), 2, Recipe(), get_gpu("A100-80GB"))
+    assert trace.events
+
+
+def test_a_value_check_passes_as_on_the_valid_batch() -> None:
+    # torch._check_tensor_all (transformers' torch_compilable_check, Siglip2's spatial_shapes > 0) reads a value
+    class Checks(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            torch._check_tensor_all(x.abs() >= 0)
+            return self.lin(x)
+
+    trace = record_training(Checks, lambda b, d: (torch.empty(b, 8, device=d), None), lambda out, _: out.sum(),
+                            2, Recipe(), get_gpu("A100-80GB"))
+    assert trace.events
+    with VirtualGPU(get_gpu("A100-80GB")), pytest.raises(DataDependentError):
+        bool((torch.empty(4, device="cuda") > 0).all())  # any other read still has no value

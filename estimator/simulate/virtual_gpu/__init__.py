@@ -25,6 +25,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._mode_utils import no_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
 
 from estimator.errors import DataDependentError
 from estimator.gpus import GPU
@@ -33,6 +34,7 @@ from estimator.simulate.virtual_gpu.cudnn_rnn import CudnnRnns
 from estimator.simulate.virtual_gpu.device import DeviceProperties, Patches, patch_cuda_queries
 from estimator.simulate.virtual_gpu.engine import Engine, SavedTensors, TensorHooks
 from estimator.simulate.virtual_gpu.fake_mode import FakeMode, Shortcuts
+from estimator.simulate.virtual_gpu.module_apply import module_apply
 from estimator.simulate.virtual_gpu.moe import GroupedMM, Routing
 from estimator.simulate.virtual_gpu.streams import Streams
 from estimator.simulate.virtual_gpu.worst_case import WorstCase
@@ -130,6 +132,8 @@ class _DispatchMode(TorchDispatchMode):
         if policy is not None:
             policy.after(func, args, kwargs, out)
         vgpu.routing.after(func, args, kwargs, out)
+        if func is torch.ops.aten._is_all_true.default:
+            vgpu._checks[out] = True
         vgpu.observer.on_op(func, args, kwargs, out)
         return out
 
@@ -156,6 +160,16 @@ class _EngineFacade:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._real, name)
+
+
+def _post_order(module: torch.nn.Module, seen: set[int] | None = None) -> Iterator[torch.nn.Module]:
+    """Every module under ``module`` once (the first time Module._apply's recursion reaches it), children first."""
+    seen = seen if seen is not None else set()
+    seen.add(id(module))
+    for child in module.children():
+        if id(child) not in seen:
+            yield from _post_order(child, seen)
+    yield module
 
 
 class VirtualGPU:
@@ -191,6 +205,8 @@ class VirtualGPU:
         self.worst_case = worst_case  # data-dependent ops at their largest size, or None
         self.grouped_mm = GroupedMM(self.capability if self.is_cuda else None)  # MoE experts' kernel
         self.routing = Routing()  # tokens per expert in the eager experts loop (model.moe_routing)
+        # torch._check_tensor_all's verdicts (aten._is_all_true), read with .item(): see _scalar
+        self._checks: WeakIdKeyDictionary = WeakIdKeyDictionary()
         # Tests only: leave torch's C++ engine in charge (works for fake CPU tensors).
         self.cpp_engine = cpp_engine and gpu is None
         self.unsupported: list[str] = []
@@ -226,6 +242,7 @@ class VirtualGPU:
                 name = "_get_post_forward_mesh_info"
                 p.set(fsdp, name, _outside_modes(getattr(fsdp, name)))
             p.set(torch.autograd.function.Function, "apply", self._wrap_function_apply())
+            p.set(torch.nn.Module, "_apply", module_apply(torch.nn.Module._apply))
             if self.gpu is not None:
                 props = DeviceProperties(
                     name=self.gpu.name, major=self.capability[0], minor=self.capability[1],
@@ -286,7 +303,12 @@ class VirtualGPU:
         # torch.empty_strided, not to_empty's empty_like: a meta tensor handed to
         # the fake mode is first converted to a fake one, which costs more than the op.
         device = self.device
-        module = module._apply(lambda t: torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device))
+        # Each module once, children first as Module._apply goes: its recursion visits a module shared by two
+        # parents (CoaT's shared_cpe / shared_crpe) twice, and the second visit finds fake parameters, which it
+        # can only swap (torch.utils.swap_tensors), and a fake tensor has a weakref (the fake mode's memo).
+        for mod in _post_order(module):
+            mod._apply(lambda t: torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device),
+                       recurse=False)
         for (first_mod, first_name), *rest in groups:
             keep = first_mod._parameters[first_name]
             for mod, name in rest:
@@ -350,6 +372,11 @@ class VirtualGPU:
                 return const.item()
         if self.routing.owns(t):
             return self.routing.scalar(t)
+        if t in self._checks:
+            # torch._check_tensor_all(cond) (transformers' torch_compilable_check: Siglip2's "spatial_shapes
+            # > 0"): an assertion on the batch's values, which the valid batch a real run feeds passes; it
+            # decides no shape and no allocation.
+            return True
         if self._allow_item:
             # GradScaler's found_inf (0: no overflow, the steady state) and
             # optimizer step counters (>= 1 once a step has run).
