@@ -140,8 +140,61 @@ def text(task: str, seq_len: int, target_seq_len: int | None = None, *, attentio
     return make
 
 
-def pixels(channels: int, height: int, width: int) -> Callable:
+def pixels(channels: int, height: int, width: int, *, labels: bool = True) -> Callable:
+    """``pixel_values`` (B, C, H, W); the class labels go in (the model computes its loss) or, for a model
+    whose forward takes none (pp_lcnet), come back as the targets of ``head_loss``."""
     def make(b: int, device: Any):
         x = torch.empty(b, channels, height, width, device=device)
-        return {"pixel_values": x, "labels": torch.zeros(b, dtype=torch.long, device=device)}, None
+        target = torch.zeros(b, dtype=torch.long, device=device)
+        return ({"pixel_values": x, "labels": target}, None) if labels else ({"pixel_values": x}, target)
     return make
+
+
+def image_tokens(seq_len: int) -> Callable:
+    """ImageGPT's input: one color-cluster id per pixel of the resized image (B, H*W), and class labels."""
+    def make(b: int, device: Any):
+        return {"input_ids": _ids(b, seq_len, device), "labels": torch.zeros(b, dtype=torch.long, device=device)}, None
+    return make
+
+
+def patches(max_patches: int, patch_dim: int, grid: tuple[int, int]) -> Callable:
+    """Siglip2's input as its image processor makes it: each image cut into ``grid`` (rows, columns) patches
+    of ``patch_dim`` values, padded to ``max_patches`` (B, N, D), the mask of the real ones (int32, as the
+    processor's) and the grid (B, 2)."""
+    def make(b: int, device: Any):
+        x = torch.empty(b, max_patches, patch_dim, device=device)
+        mask = torch.zeros(b, max_patches, dtype=torch.int32, device=device)
+        mask[:, : grid[0] * grid[1]] = 1
+        shapes = torch.empty(b, 2, dtype=torch.long, device=device)
+        shapes[:, 0], shapes[:, 1] = grid
+        return {"pixel_values": x, "pixel_attention_mask": mask, "spatial_shapes": shapes,
+                "labels": torch.zeros(b, dtype=torch.long, device=device)}, None
+    return make
+
+
+def image_prompt(seq_len: int, image_tokens: int, image_token_id: int, channels: int, height: int,
+                 width: int) -> Callable:
+    """A multimodal classifier's input (ShieldGemma 2): the prompt's ``input_ids`` (B, S), where one image's
+    ``image_tokens`` placeholder ids (``image_token_id``) stand after the first token and the model scatters
+    the image's features, with ``token_type_ids`` 1 there (the image's bidirectional attention block),
+    the attention mask and ``pixel_values`` (B, C, H, W); class targets for ``head_loss``."""
+    def make(b: int, device: Any):
+        ids = _ids(b, seq_len, device)
+        types = torch.zeros_like(ids)
+        ids[:, 1: 1 + image_tokens] = image_token_id
+        types[:, 1: 1 + image_tokens] = 1
+        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "token_type_ids": types,
+                  "pixel_values": torch.empty(b, channels, height, width, device=device)}
+        return inputs, torch.zeros(b, dtype=torch.long, device=device)
+    return make
+
+
+def head_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy on the classifier's output, for a model that computes no loss: its ``logits``, or a
+    (B, classes) ``last_hidden_state`` (pp_lcnet returns its head's output under that name)."""
+    logits = getattr(out, "logits", None)
+    if not isinstance(logits, torch.Tensor):
+        logits = getattr(out, "last_hidden_state", None)
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
+        raise TypeError(f"cannot find (batch, classes) logits in a {type(out).__name__} model output")
+    return F.cross_entropy(logits, target)
