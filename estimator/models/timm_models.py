@@ -27,6 +27,15 @@ def build_timm(spec: TimmModel, inp: InputSpec) -> BuiltModel:
     kwargs: dict[str, Any] = check_model_names("timm", spec.kwargs)  # allow-listed, download switches dropped
     factory = functools.partial(timm.create_model, spec.name, pretrained=False, **kwargs)
     model = probe(factory, "model.kwargs", spec.kwargs)
+    if not hasattr(model, "get_classifier"):
+        # A feature encoder (mobilenetv5_300m_enc, Gemma 3n's vision tower) has none of timm's classifier
+        # interface and its forward returns feature maps ("does not support classification use cases"), while
+        # batchfit trains a timm model as a classifier, with cross-entropy on its head's logits.
+        headless = base[: -len("_enc")] if base.endswith("_enc") else None
+        hint = f"; {headless} with model.kwargs num_classes has one" if headless and timm.is_model(headless) else ""
+        raise SpecError("model.name", spec.name,
+                        f"a timm model with a classification head ({type(model).__name__} is a feature encoder "
+                        f"without one: its forward returns feature maps, not logits{hint})")
     default = tuple(getattr(model, "pretrained_cfg", {}).get("input_size") or (3, 224, 224))
     grid = getattr(getattr(model, "patch_embed", None), "img_size", None)
     patch_embed = getattr(model, "patch_embed", None)

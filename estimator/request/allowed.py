@@ -33,6 +33,7 @@ requests built without ``parse_request``.
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import re
 from collections.abc import Callable, Collection
 from typing import Any
@@ -78,6 +79,12 @@ NO_DOWNLOAD: dict[str, dict[str, Any]] = {
 _HUB_KERNEL = "its modeling code fetches a CUDA kernel from the Hub (get_kernel('kernels-community/...'))"
 REFUSED_MODEL_TYPES = {"rag": "its retriever loads a dataset and an index by name",
                        "yoso": _HUB_KERNEL, "mra": _HUB_KERNEL, "rwkv": _HUB_KERNEL}
+# DiNAT's neighborhood attention runs only in the natten library's compiled kernels (no torch path; pip has
+# it as a source distribution that builds CUDA extensions against the installed torch).
+_natten = importlib.util.find_spec("natten")
+if _natten is None or _natten.origin is None:  # not installed (a bare folder of that name is a namespace package)
+    REFUSED_MODEL_TYPES["dinat"] = ("its modeling code needs the natten library (compiled neighborhood-attention "
+                                    "kernels, no torch fallback), which is not installed here")
 _REMOTE_KEYS = ("auto_map", "trust_remote_code")
 # Fields that make transformers load another model by name, with what to give instead.
 # ``backbone`` (outside a timm_backbone config) is looked up on the Hub while the config
