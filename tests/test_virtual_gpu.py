@@ -256,3 +256,14 @@ def test_a_value_check_passes_as_on_the_valid_batch() -> None:
     assert trace.events
     with VirtualGPU(get_gpu("A100-80GB")), pytest.raises(DataDependentError):
         bool((torch.empty(4, device="cuda") > 0).all())  # any other read still has no value
+
+
+def test_a_0d_tensor_formats_by_its_value_as_on_the_card() -> None:
+    # switch_transformers' experts loop: self[f"expert_{expert_idx[0]}"]; a tensor subclass formats as its repr
+    with VirtualGPU(get_gpu("A100-80GB")) as vgpu:
+        index = torch.empty((), dtype=torch.long, device="cuda")
+        with vgpu.allowing_item():  # where batchfit knows the value (a step counter reads 1)
+            assert f"expert_{index}" == "expert_1" and f"{index:02d}" == "01"
+        assert f"{torch.empty(2, device='cuda')}".startswith("FakeTensor")  # not 0-d: torch's own format
+        with pytest.raises(DataDependentError):
+            f"{index}"  # no value to format

@@ -162,6 +162,20 @@ class _EngineFacade:
         return getattr(self._real, name)
 
 
+def _format_as_cuda(original):
+    """``Tensor.__format__`` formats a 0-d plain tensor by its value (``.item()``) and any subclass by its
+    repr: on the card ``f"expert_{idx}"`` (switch_transformers' experts loop) reads "expert_3", on a fake
+    tensor it would read "expert_FakeTensor(...)". A fake 0-d tensor is formatted as the card's, its value
+    read through ``.item()`` (the virtual GPU's policy for values)."""
+
+    def __format__(self, format_spec):
+        if isinstance(self, FakeTensor) and self.dim() == 0:
+            return self.item().__format__(format_spec)
+        return original(self, format_spec)
+
+    return __format__
+
+
 def _post_order(module: torch.nn.Module, seen: set[int] | None = None) -> Iterator[torch.nn.Module]:
     """Every module under ``module`` once (the first time Module._apply's recursion reaches it), children first."""
     seen = seen if seen is not None else set()
@@ -231,6 +245,7 @@ class VirtualGPU:
                 p.set(torch.autograd.Variable, "_execution_engine",
                       _EngineFacade(torch.autograd.Variable._execution_engine, self.engine))
             p.set(torch.Tensor, "register_hook", self._wrap_register_hook(torch.Tensor.register_hook))
+            p.set(torch.Tensor, "__format__", _format_as_cuda(torch.Tensor.__format__))
             p.set(torch.UntypedStorage, "resize_", self._wrap_resize(torch.UntypedStorage.resize_))
             if self.distributed:
                 from torch.distributed.tensor._sharding_prop import ShardingPropagator
