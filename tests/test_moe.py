@@ -175,3 +175,34 @@ def test_jetmoe_routing_is_in_the_assumptions() -> None:
     assert [a for a in build(_request(JETMOE)).assumptions if "expert" in a] == [
         "moe_routing: balanced (2 of 4 experts per token, tokens x 2 / 4 per expert; JetMoeTopKGating's split "
         "sizes, 2 gates)"]
+
+
+# Switch Transformers (its own top-1 router, no experts kernel): SwitchTransformersTop1Router makes
+# one_hot(argmax) over (batch, seq) and drops the tokens past ``expert_capacity`` in each sequence
+# (``mask * (cumsum(mask, dim=-2) <= capacity)``); the experts loop then gathers each expert's tokens with
+# ``torch.where(expert_mask[e])``: a (tokens, 2) int64 nonzero. Batch 2 of 16 tokens, 4 experts, capacity 5.
+SWITCH = {"model_type": "switch_transformers", "num_layers": 2, "num_decoder_layers": 2,
+          "num_sparse_encoder_layers": 1, "num_sparse_decoder_layers": 1, "d_model": H, "d_ff": INTER, "d_kv": 16,
+          "num_heads": 4, "num_experts": E, "expert_capacity": 5, "vocab_size": 1000, "decoder_start_token_id": 0}
+SWITCH_EXPERTS = "encoder.block.1.layer.1.mlp.experts"
+
+
+def _switch_nonzero_rows(routing: str) -> list[int]:
+    """Rows of each nonzero in the encoder's sparse MLP: first the experts hit, then each expert's tokens."""
+    request = parse_request({"model": {"source": "transformers", "config": SWITCH, "task": "seq2seq-lm",
+                                       "moe_routing": routing}, "input": {"seq_len": S}, "gpus": ["A100-40GB"]})
+    built = build(request)
+    trace = record_training(built.factory, built.batch_factory, built.loss_fn, 2, Recipe(), A100)
+    found = [a for a in trace.allocations if a.iteration == 0 and a.phase == "forward"
+             and a.module == SWITCH_EXPERTS and a.op == "nonzero"]
+    return [found[0].nbytes // LONG] + [a.nbytes // (2 * LONG) for a in found[1:]]
+
+
+def test_switch_balanced_routing_spreads_each_sequence_within_capacity() -> None:
+    # 16 tokens of a sequence over 4 experts: 4 each (under the capacity of 5), twice for the batch of 2
+    assert _switch_nonzero_rows("balanced") == [E] + [2 * S // E] * E
+
+
+def test_switch_worst_case_routing_is_capped_by_the_expert_capacity() -> None:
+    # every token to one expert, which keeps 5 of each sequence's 16: 10 rows, not the 32 of the batch
+    assert _switch_nonzero_rows("worst-case") == [1, 2 * 5]

@@ -190,8 +190,9 @@ def _check_trains(model_class: type[torch.nn.Module], model_type: str, task: str
 
 
 # Top-k gates outside transformers' experts kernels whose tokens per expert the simulation's routing answers
-# (virtual_gpu/moe.py, ``Routing``: JetMoE's split sizes, in its MoE MLP and its mixture of attention heads).
-_ROUTED_GATES = ("JetMoeTopKGating",)
+# (virtual_gpu/moe.py, ``Routing``: JetMoE's split sizes, in its MoE MLP and its mixture of attention heads;
+# Switch Transformers' top-1 router with its per-sequence expert capacity).
+_ROUTED_GATES = ("JetMoeTopKGating", "SwitchTransformersTop1Router")
 
 
 def _experts_lines(model: torch.nn.Module, spec: TransformersModel) -> list[str]:
@@ -218,13 +219,16 @@ def _experts_lines(model: torch.nn.Module, spec: TransformersModel) -> list[str]
         kept = ("; the buffers' sizes do not depend on routing, only the offsets' values" if used == "grouped_mm"
                 else "; the buffers' sizes do not depend on routing" if used == "batched_mm" else "")
     else:
-        n, k = gates[0].num_experts, gates[0].top_k
-        kept = f"; {type(gates[0]).__name__}'s split sizes, {len(gates)} gate" + ("s" if len(gates) > 1 else "")
+        n, k = gates[0].num_experts, getattr(gates[0], "top_k", 1)
+        capacity = getattr(gates[0], "expert_capacity", None)
+        what = "split sizes" if capacity is None else f"expert capacity ({capacity} tokens per sequence)"
+        kept = f"; {type(gates[0]).__name__}'s {what}, {len(gates)} gate" + ("s" if len(gates) > 1 else "")
     share = f"{k} of {n} experts per token" if isinstance(k, int) else f"{n} experts"
     if spec.moe_routing == "balanced":
         spread = f"tokens x {k} / {n} per expert" if isinstance(k, int) else "tokens spread evenly"
     else:
-        spread = f"every token to the same {k} experts" if isinstance(k, int) else "every token to the same experts"
+        spread = ("every token to the same expert" if k == 1 else f"every token to the same {k} experts"
+                  if isinstance(k, int) else "every token to the same experts")
     lines.append(f"moe_routing: {spec.moe_routing} ({share}, {spread}{kept})")
     return lines
 

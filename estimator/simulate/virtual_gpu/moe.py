@@ -128,32 +128,42 @@ _FOLLOW = {aten.permute.default, aten.sum.dim_IntList, aten.gt.Scalar, aten.ge.S
 
 
 class _Mask:
-    """One layer's routing: ``tokens`` tokens, each to ``top_k`` of ``experts`` experts."""
+    """One layer's routing: ``tokens`` tokens, each to ``top_k`` of ``experts`` experts.
 
-    def __init__(self, tokens: int, top_k: int, experts: int, policy: str) -> None:
+    With a ``capacity`` (Switch Transformers' ``expert_capacity``), the tokens come in ``groups`` sequences of
+    ``tokens // groups`` and each expert keeps at most ``capacity`` tokens of each sequence.
+    """
+
+    def __init__(self, tokens: int, top_k: int, experts: int, policy: str, *, groups: int = 1,
+                 capacity: int | None = None) -> None:
         self.tokens, self.top_k, self.experts, self.policy = tokens, top_k, experts, policy
+        self.groups, self.capacity = groups, capacity
         self.served = 0  # experts whose tokens the loop has asked for so far
 
     def hit(self) -> int:
         """How many experts receive tokens."""
         if self.policy == "worst-case":
             return min(self.top_k, self.experts)
-        return min(self.experts, self.tokens * self.top_k)
+        return min(self.experts, self.tokens // self.groups * self.top_k)
 
     def next_expert(self) -> int:
         """Tokens of the next expert the loop serves."""
         i, self.served = self.served, self.served + 1
         if self.policy == "worst-case":
-            return self.tokens  # the loop serves only the hit experts, each with every token
+            return self.count(0)  # the loop serves only the hit experts, each with every token
         return self.count(i % self.experts)
 
     def count(self, expert: int) -> int:
         """Tokens that expert ``expert`` receives: balanced, tokens x top-k spread over the experts in turn;
-        worst case, every token to the first top-k experts (each token picks each of them once)."""
+        worst case, every token to the first top-k experts (each token picks each of them once); per sequence,
+        and at most ``capacity`` of each, where the router has a capacity."""
+        per = self.tokens // self.groups
         if self.policy == "worst-case":
-            return self.tokens if expert < self.top_k else 0
-        pairs = self.tokens * self.top_k
-        return pairs // self.experts + (1 if expert < pairs % self.experts else 0)
+            kept = per if expert < self.top_k else 0
+        else:
+            pairs = per * self.top_k
+            kept = pairs // self.experts + (1 if expert < pairs % self.experts else 0)
+        return self.groups * (kept if self.capacity is None else min(kept, self.capacity))
 
 
 class Routing:
@@ -165,6 +175,12 @@ class Routing:
     expert's tokens with ``torch.where(expert_mask[expert_idx])``. Tensors derived from the one-hot mask are
     followed; their ``nonzero`` answers the policy's counts, and a read of their value says "not the
     sentinel" (False, or expert 0: every expert has the same shapes).
+
+    Switch Transformers' top-1 router (``SwitchTransformersTop1Router``) makes ``one_hot(argmax, num_experts)``
+    of its (batch, seq) choices, then drops the tokens past an expert's capacity in each sequence:
+    ``mask * (cumsum(mask, dim=-2) <= expert_capacity)``. A one-hot mask whose next op is that ``cumsum`` is read
+    so: batch x seq tokens, top-1, no sentinel class; the ``le`` gives the capacity, the product is the mask the
+    experts loop (the eager loop's pattern) reads.
 
     JetMoE's gate (``JetMoeTopKGating``) scatters ones into a (tokens, experts) zeros tensor at the top-k
     indices, sums it over the tokens and reads the counts (``expert_size.tolist()``) to split the sorted
@@ -180,6 +196,10 @@ class Routing:
         self.gates: WeakIdKeyDictionary = WeakIdKeyDictionary()  # (tokens, experts) top-k indicator -> _Mask
         # per-expert counts -> (the _Mask, None), and one count read from them -> (the _Mask, its expert)
         self.counts: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        # Switch's router: the one-hot mask's running count -> its routing read as top-1 per sequence, and the
+        # capacity check on that count -> (that routing, the capacity)
+        self.priorities: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.capacities: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def owns(self, t: Any) -> bool:
         return isinstance(t, torch.Tensor) and (t in self.masks or self.counts.get(t, (None, None))[1] is not None)
@@ -205,6 +225,17 @@ class Routing:
             # one_hot(top_k_index, num_classes) on fake tensors: top_k_index.unsqueeze(-1) == arange(num_classes)
             idx, classes = args
             self.masks[out] = _Mask(idx.shape[0], idx.shape[1], classes.shape[0] - 1, ROUTING.get())
+        elif func is aten.cumsum.default and first in self.masks and first.dim() == 3 \
+                and args[1] in (-2, 1):
+            mask = self.masks[first]  # read as (tokens, top_k, 1) == classes - 1 experts; it is (batch, seq)
+            batch, seq, experts = first.shape
+            self.priorities[out] = _Mask(batch * seq, 1, experts, mask.policy, groups=batch)
+        elif func is aten.le.Scalar and first in self.priorities and isinstance(args[1], int):
+            self.capacities[out] = (self.priorities[first], args[1])
+        elif func is aten.mul.Tensor and first in self.masks and len(args) > 1 and args[1] in self.capacities:
+            routed, capacity = self.capacities[args[1]]
+            self.masks[out] = _Mask(routed.tokens, 1, routed.experts, routed.policy, groups=routed.groups,
+                                    capacity=capacity)
         elif func in _SCATTERS and was_zeros and _top_k_scatter(args):
             tokens, experts = first.shape
             self.gates[out] = _Mask(tokens, args[2].shape[1], experts, ROUTING.get())
