@@ -142,8 +142,9 @@ def test_a_bigger_card_never_gets_a_smaller_max() -> None:
 def test_model_that_does_not_fit_at_batch_1_returns_null() -> None:
     # gpt2 in fp32 with AdamW: 124,439,808 parameters x 16 B (weights, grads, 2 states) = 1.99 GB > 1.5 GiB
     card = {"name": "small", "memory_bytes": 3 * 2**29, "compute_capability": "7.5"}
+    # (suggestions off: checking them is tests/test_distributed.py's, and costs ~30 simulations here)
     request = parse_request({"model": {"source": "transformers", "preset": "gpt2"}, "input": {"seq_len": 64},
-                             "gpus": [card]})
+                             "gpus": [card], "planner": {"suggestions": False}})
     (result,) = estimate(request).results
     assert result.max_batch_size is None and result.recommended_batch_size is None
     assert result.memory.batch_size == 1 and not result.memory.fits
@@ -153,7 +154,8 @@ def test_model_that_does_not_fit_at_batch_1_returns_null() -> None:
 def test_card_with_no_headroom() -> None:
     # 400 MiB of memory and a 450 MiB CUDA context: nothing can be allocated at all
     request = parse_request({"model": {"source": "torchvision", "name": "resnet18"},
-                             "gpus": [{"name": "full", "memory_bytes": 400 * MIB, "compute_capability": "8.0"}]})
+                             "gpus": [{"name": "full", "memory_bytes": 400 * MIB, "compute_capability": "8.0"}],
+                             "planner": {"suggestions": False}})
     (result,) = estimate(request).results
     assert result.max_batch_size is None and not result.memory.fits
 
