@@ -33,7 +33,7 @@ from estimator.simulate.virtual_gpu.attention import make_sdpa
 from estimator.simulate.virtual_gpu.cudnn_rnn import CudnnRnns
 from estimator.simulate.virtual_gpu.device import DeviceProperties, Patches, patch_cuda_queries
 from estimator.simulate.virtual_gpu.engine import Engine, SavedTensors, TensorHooks
-from estimator.simulate.virtual_gpu.fake_mode import FakeMode, Shortcuts
+from estimator.simulate.virtual_gpu.fake_mode import FakeMode, Shortcuts, deepcopy_fake
 from estimator.simulate.virtual_gpu.module_apply import module_apply
 from estimator.simulate.virtual_gpu.moe import GroupedMM, Routing
 from estimator.simulate.virtual_gpu.streams import Streams
@@ -258,6 +258,8 @@ class VirtualGPU:
                 p.set(fsdp, name, _outside_modes(getattr(fsdp, name)))
             p.set(torch.autograd.function.Function, "apply", self._wrap_function_apply())
             p.set(torch.nn.Module, "_apply", module_apply(torch.nn.Module._apply))
+            # copy.deepcopy of a fake tensor: one of this mode, its copy recorded (fake_mode.deepcopy_fake)
+            p.set(FakeTensor, "__deepcopy__", deepcopy_fake)
             if self.gpu is not None:
                 props = DeviceProperties(
                     name=self.gpu.name, major=self.capability[0], minor=self.capability[1],
