@@ -37,7 +37,7 @@ from estimator.simulate.virtual_gpu.fake_mode import FakeMode, Shortcuts, deepco
 from estimator.simulate.virtual_gpu.module_apply import module_apply
 from estimator.simulate.virtual_gpu.moe import GroupedMM, Routing
 from estimator.simulate.virtual_gpu.streams import Streams
-from estimator.simulate.virtual_gpu.worst_case import WorstCase
+from estimator.simulate.virtual_gpu.worst_case import WorstCase, validating_distribution
 
 __all__ = ["NullObserver", "Observer", "Shortcuts", "VirtualGPU"]
 
@@ -393,6 +393,10 @@ class VirtualGPU:
             # torch._check_tensor_all(cond) (transformers' torch_compilable_check: Siglip2's "spatial_shapes
             # > 0"): an assertion on the batch's values, which the valid batch a real run feeds passes; it
             # decides no shape and no allocation.
+            return True
+        if validating_distribution():  # torch.distributions' argument check: it holds in a run that trains
+            if self.worst_case is not None:
+                self.worst_case.note("torch.distributions validation (holds)")
             return True
         if self._allow_item:
             # GradScaler's found_inf (0: no overflow, the steady state) and
