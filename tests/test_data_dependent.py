@@ -110,3 +110,77 @@ def test_which_reads_are_asserts(fn, reads: str, expected: bool) -> None:
         jumps = [i.offset for i in ops if i.opname.startswith("POP_JUMP")]
         offset = jumps[0] if reads == "first" else jumps[1]
     assert _asserts_at(fn.__code__, offset) is expected
+
+
+SEQ = 12
+
+
+class Patcher(nn.Module):
+    """BLT's entropy patcher in miniature: each row's patch starts (where a score passes a threshold) padded to
+    the row's length by ``cat([starts, ~starts])`` as many sentinels, then cut to the most patches of a row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)  # (B, SEQ, WIDTH)
+        starts = h.mean(-1) > 0  # (B, SEQ)
+        b, s = starts.shape
+        idx = torch.arange(s, device=h.device).expand(b, -1)
+        padded = torch.cat([idx, torch.full_like(idx, s - 1)], 1)[torch.cat([starts, ~starts], 1)].reshape(b, s)
+        most = starts.sum(dim=1).max()  # the worst case: every position starts a patch
+        patches = h.gather(1, padded[:, :most].unsqueeze(-1).expand(-1, -1, WIDTH))  # (B, most, WIDTH)
+        return patches.sum(1)
+
+
+def _sequences(b: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty(b, SEQ, WIDTH, device=device), torch.zeros(b, dtype=torch.long, device=device)
+
+
+def test_a_masks_count_reads_its_largest_and_a_padded_mask_its_exact_count() -> None:
+    """``cat([m, ~m])`` holds exactly ``m.numel()`` trues (so the reshape holds), and ``m.sum(1).max()`` reads
+    SEQ, every element true as for the masks themselves: the gather keeps B x SEQ x WIDTH fp32 values."""
+    from estimator.gpus import get_gpu
+    from estimator.request.recipe import Recipe
+    from estimator.simulate.record import record_training
+
+    batch = 4
+    trace = record_training(Patcher, _sequences, nn.functional.cross_entropy, batch, Recipe(), get_gpu("A100-80GB"),
+                            worst_case=True)
+    forward = [a for a in trace.allocations if a.phase == Phase.FORWARD]
+    assert any(a.op == "gather" and a.nbytes == batch * SEQ * WIDTH * 4 for a in forward)
+    line = next(a for a in trace.assumptions if a.startswith("data-dependent ops at their worst case: "))
+    assert line.endswith("aten.index in Patcher; .item() (a mask's count: all true) in Patcher")
+
+
+class Sampled(nn.Module):
+    """Builds a torch.distributions.Categorical and scores the targets (validation on, torch's default)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.proj(x)  # (B, WIDTH)
+        dist = torch.distributions.Categorical(logits=logits)  # checks the logits: a value read
+        return logits + (dist.entropy() + dist.log_prob(torch.zeros(x.shape[0], dtype=torch.long,
+                                                                    device=x.device))).unsqueeze(-1)
+
+
+@pytest.mark.parametrize("worst_case", [False, True])
+def test_a_distributions_validation_holds_and_its_check_is_recorded(worst_case: bool) -> None:
+    """The argument and sample checks pass, as in a real run that trains, under either policy; the logits'
+    check (``value == value``: a B x WIDTH bool mask) is allocated as on the card; torch's default is kept."""
+    from estimator.gpus import get_gpu
+    from estimator.request.recipe import Recipe
+    from estimator.simulate.record import record_training
+
+    def batch(b: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.empty(b, WIDTH, device=device), torch.zeros(b, dtype=torch.long, device=device)
+
+    b = 8
+    trace = record_training(Sampled, batch, nn.functional.cross_entropy, b, Recipe(), get_gpu("A100-80GB"),
+                            worst_case=worst_case)
+    assert any(a.op == "eq" and a.nbytes == b * WIDTH for a in trace.allocations if a.phase == Phase.FORWARD)
+    assert torch.distributions.Distribution._validate_args

@@ -137,3 +137,23 @@ def test_a_draft_model_without_a_loss_is_the_requests_error(model_type: str) -> 
     assert err.value.field == "model.config.model_type" and err.value.value == model_type
     assert "takes no labels and computes no loss" in err.value.expected
     assert "shared_kv_states" in err.value.expected
+
+
+MUSICGEN_DECODER = {"num_hidden_layers": 1, "hidden_size": 64, "ffn_dim": 128, "num_attention_heads": 4,
+                    "vocab_size": 128, "pad_token_id": 128, "bos_token_id": 128, "num_codebooks": 3}
+
+
+@pytest.mark.parametrize(("model_type", "name"), [("musicgen", "MusicgenForCausalLM"),
+                                                  ("musicgen_melody", "MusicgenMelodyForCausalLM")])
+def test_musicgen_decoder_takes_one_row_per_codebook(model_type: str, name: str) -> None:
+    """MusicGen's decoder sums one embedding per codebook and predicts each with its own head: input_ids of
+    (batch x num_codebooks, seq), the mask (batch, seq), labels (batch, seq, num_codebooks); 3, not the class's 4."""
+    built = _built({"model_type": model_type, "decoder": MUSICGEN_DECODER}, "causal-lm")
+    batch = _batch(built)
+    assert batch["input_ids"].shape == (2 * 3, S) and batch["attention_mask"].shape == (2, S)
+    assert batch["labels"].shape == (2, S, 3) and batch["labels"].dtype == torch.long
+    assert _line(built, "input_ids: ") == (
+        f"input_ids: [batch x 3, {S}] audio codes, one row per sequence and codebook (model.config.num_codebooks "
+        f"3), labels [batch, {S}, 3]: {name} embeds and predicts each codebook's stream of EnCodec codes "
+        "(seq_len: audio frames)")
+    _simulates(built, 2)

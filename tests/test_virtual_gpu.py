@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
 
 from estimator.errors import DataDependentError, SimulationError, UnknownGPUError
 from estimator.gpus import get_gpu
@@ -27,6 +30,7 @@ def _torch_state():
         torch.autograd.function.Function.__dict__["apply"], list(optim._foreach_supported_types),
         torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"),
         torch._C._autograd._top_saved_tensors_default_hooks(False), torch.nn.functional.scaled_dot_product_attention,
+        "__deepcopy__" in vars(FakeTensor),
     )
 
 
@@ -267,3 +271,42 @@ def test_a_0d_tensor_formats_by_its_value_as_on_the_card() -> None:
         assert f"{torch.empty(2, device='cuda')}".startswith("FakeTensor")  # not 0-d: torch's own format
         with pytest.raises(DataDependentError):
             f"{index}"  # no value to format
+
+
+class _State:
+    """An object holding tensors, as a model's cache layers do."""
+
+    def __init__(self, buf: torch.Tensor) -> None:
+        self.buf = buf
+        self.head = buf[:, :256]  # a view: a deepcopy copies its whole storage, shared with buf's copy
+        self.scale = torch.tensor(2.0)  # a CPU scalar made in forward: a fake tensor with a real constant
+
+
+class DeepCopiesState(nn.Module):
+    """Deep-copies a tensor-holding object in its forward (DoryModel copies its recurrent cache layers so)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(1024, 10)
+
+    def forward(self, x):
+        state = copy.deepcopy(_State(torch.zeros(x.shape[0], 1024, device=x.device)))
+        assert state.buf.is_cuda and state.buf.shape == (x.shape[0], 1024) and state.scale.item() == 2.0
+        assert state.head.untyped_storage()._cdata == state.buf.untyped_storage()._cdata
+        return self.fc(x + state.buf + state.head.sum() * state.scale)
+
+
+def test_a_deepcopy_in_forward_is_a_fake_cuda_tensor_whose_memory_is_recorded() -> None:
+    def batch(b, device):
+        return torch.empty(b, 1024, device=device), torch.zeros(b, dtype=torch.long, device=device)
+
+    b = 64
+    trace = record_training(DeepCopiesState, batch, F.cross_entropy, b, Recipe(), get_gpu("A100-80GB"))
+    copies = [a for a in trace.allocations if a.op == "clone" and a.phase == "forward"]
+    steps = len({a.iteration for a in trace.allocations if a.phase == "forward"})
+    assert steps >= 1 and [a.nbytes for a in copies] == [b * 1024 * 4] * steps  # buf's copy; the view shares it
+    with VirtualGPU(get_gpu("A100-80GB")) as vgpu:
+        x = torch.empty(3, 5, device="cuda")
+        y = copy.deepcopy(x)
+        assert y.fake_mode is x.fake_mode is vgpu._fake and y.is_cuda and y.shape == x.shape
+        assert y.untyped_storage()._cdata != x.untyped_storage()._cdata

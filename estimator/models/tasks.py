@@ -111,22 +111,30 @@ def _ids(b: int, s: int, device: Any) -> torch.Tensor:
 
 def text(task: str, seq_len: int, target_seq_len: int | None = None, *, attention_mask: bool = True,
          extra: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
-         label_len: int | None = None) -> Callable:
+         label_len: int | None = None, codebooks: int | None = None) -> Callable:
     """Batches for transformers' tasks; ``labels`` go in so the model computes its own loss.
 
     ``extra``: the inputs a model's training step needs besides the tokens (GIT's ``pixel_values``,
     VoxtralRealtime's ``input_features``, X-MOD's ``lang_ids``), each as its shape after the batch dimension and
     its dtype (floating: empty; integer: zeros, the first language). ``label_len``: the masked-LM labels'
-    length where the model decodes a fixed number of positions, whatever the input's (Perceiver)."""
+    length where the model decodes a fixed number of positions, whatever the input's (Perceiver).
+    ``codebooks``: a causal LM over that many parallel audio-code streams (MusicGen's decoder): ``input_ids`` of
+    (batch x codebooks, seq), one row per sequence and codebook, the mask (batch, seq) and ``labels`` (batch,
+    seq, codebooks), as its forward takes them."""
+    if codebooks is not None and task != "causal-lm":
+        raise ValueError(f"codebooks with {task}")
+
     def make(b: int, device: Any):
-        ids = _ids(b, seq_len, device)
+        ids = _ids(b * (codebooks or 1), seq_len, device)
         inputs: dict[str, torch.Tensor] = {"input_ids": ids}
         if attention_mask:
-            inputs["attention_mask"] = torch.ones_like(ids)
+            inputs["attention_mask"] = torch.ones(b, seq_len, dtype=torch.long, device=device)
         for name, (shape, dtype) in (extra or {}).items():
             make_tensor = torch.empty if dtype.is_floating_point else torch.zeros
             inputs[name] = make_tensor(b, *shape, dtype=dtype, device=device)
-        if task == "causal-lm":
+        if task == "causal-lm" and codebooks:
+            inputs["labels"] = torch.zeros(b, seq_len, codebooks, dtype=torch.long, device=device)
+        elif task == "causal-lm":
             inputs["labels"] = ids  # the model shifts them (ForCausalLMLoss)
         elif task == "masked-lm":
             inputs["labels"] = _ids(b, label_len or seq_len, device)

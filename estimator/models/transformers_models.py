@@ -279,9 +279,10 @@ def _kernel_lines(model: torch.nn.Module, name: str) -> list[str]:
 
 
 def _text_inputs(model: Any, config: Any, seq: int, spec: TransformersModel, inp: InputSpec) \
-        -> tuple[dict[str, tuple[tuple[int, ...], torch.dtype]], int | None, list[str]]:
+        -> tuple[dict[str, tuple[tuple[int, ...], torch.dtype]], int | None, int | None, list[str]]:
     """The inputs a text model's training step takes besides the token ids, as a real run feeds them, the
-    masked-LM labels' length where the model fixes it, and the assumption lines that say so.
+    masked-LM labels' length where the model fixes it, the number of parallel code streams of a model that
+    predicts several per position, and the assumption lines that say so.
 
     - GitForCausalLM: its loss scores the text after the image tokens it prepends (``logits[:, num_image_tokens:
       -1]``), so text alone leaves nothing to score: one image per sequence, of vision_config's num_channels and
@@ -294,11 +295,15 @@ def _text_inputs(model: Any, config: Any, seq: int, spec: TransformersModel, inp
       to the token's: ``input_features`` of (num_mel_bins, seq_len x that) frames, labels as long as the text.
     - PerceiverForMaskedLM: its decoder queries ``max_position_embeddings`` positions whatever the input's
       length (the logits are that long): labels that long.
+    - MusicGen's decoder (MusicgenForCausalLM, MusicgenMelodyForCausalLM): each position holds one audio code per
+      codebook (``config.num_codebooks`` EnCodec streams), which it embeds and sums, and it predicts each with its
+      own head: ``input_ids`` of (batch x num_codebooks, seq) and labels of (batch, seq, num_codebooks), as its
+      forward takes them; seq_len counts audio frames.
     """
     name = type(model).__name__
     extra: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     lines: list[str] = []
-    label_len = None
+    label_len = codebooks = None
     if name == "GitForCausalLM":
         vision = config.vision_config
         with given_values("model.config", spec.config, "integers vision_config.num_channels and image_size"):
@@ -343,7 +348,19 @@ def _text_inputs(model: Any, config: Any, seq: int, spec: TransformersModel, inp
         if label_len != seq:
             lines.append(f"labels: {label_len} positions ({name} decodes max_position_embeddings positions "
                          f"whatever the input's {seq}; those past the input are padding)")
-    return extra, label_len, lines
+    elif name in _CODEBOOK_LMS:
+        with given_values("model.config", spec.config, "an integer num_codebooks >= 1"):
+            codebooks = int(config.num_codebooks)
+        if codebooks < 1:
+            raise SpecError("model.config.num_codebooks", codebooks, "an integer >= 1")
+        lines.append(f"input_ids: [batch x {codebooks}, {seq}] audio codes, one row per sequence and codebook "
+                     f"(model.config.num_codebooks {codebooks}), labels [batch, {seq}, {codebooks}]: {name} "
+                     "embeds and predicts each codebook's stream of EnCodec codes (seq_len: audio frames)")
+    return extra, label_len, codebooks, lines
+
+
+# Causal LMs whose positions hold one token per codebook (config.num_codebooks parallel streams)
+_CODEBOOK_LMS = frozenset({"MusicgenForCausalLM", "MusicgenMelodyForCausalLM"})
 
 
 def _position_key(config: Any) -> str | None:
@@ -597,7 +614,7 @@ def build_transformers(spec: TransformersModel, inp: InputSpec) -> BuiltModel:
     elif limit is not None and seq > limit:
         raise SpecError("input.seq_len", seq, f"at most {limit}, {name}'s maximum positions")
     resolved: dict[str, Any] = {"seq_len": seq}
-    extra, label_len, input_lines = _text_inputs(model, config, seq, spec, inp)
+    extra, label_len, codebooks, input_lines = _text_inputs(model, config, seq, spec, inp)
     target = None
     if task == "seq2seq-lm":
         target = inp.target_seq_len or seq
@@ -605,5 +622,6 @@ def build_transformers(spec: TransformersModel, inp: InputSpec) -> BuiltModel:
             assumptions.append(f"input.target_seq_len not given: {target} (= seq_len)")
         resolved["target_seq_len"] = target
     assumptions.extend(input_lines)
-    return BuiltModel(f"transformers:{name}", factory, tasks.text(task, seq, target, extra=extra, label_len=label_len),
-                      tasks.model_loss, resolved, count_parameters(model), assumptions)
+    batches = tasks.text(task, seq, target, extra=extra, label_len=label_len, codebooks=codebooks)
+    return BuiltModel(f"transformers:{name}", factory, batches, tasks.model_loss, resolved, count_parameters(model),
+                      assumptions)

@@ -33,11 +33,11 @@ from estimator.simulate.virtual_gpu.attention import make_sdpa
 from estimator.simulate.virtual_gpu.cudnn_rnn import CudnnRnns
 from estimator.simulate.virtual_gpu.device import DeviceProperties, Patches, patch_cuda_queries
 from estimator.simulate.virtual_gpu.engine import Engine, SavedTensors, TensorHooks
-from estimator.simulate.virtual_gpu.fake_mode import FakeMode, Shortcuts
+from estimator.simulate.virtual_gpu.fake_mode import FakeMode, Shortcuts, deepcopy_fake
 from estimator.simulate.virtual_gpu.module_apply import module_apply
 from estimator.simulate.virtual_gpu.moe import GroupedMM, Routing
 from estimator.simulate.virtual_gpu.streams import Streams
-from estimator.simulate.virtual_gpu.worst_case import WorstCase
+from estimator.simulate.virtual_gpu.worst_case import WorstCase, validating_distribution
 
 __all__ = ["NullObserver", "Observer", "Shortcuts", "VirtualGPU"]
 
@@ -258,6 +258,8 @@ class VirtualGPU:
                 p.set(fsdp, name, _outside_modes(getattr(fsdp, name)))
             p.set(torch.autograd.function.Function, "apply", self._wrap_function_apply())
             p.set(torch.nn.Module, "_apply", module_apply(torch.nn.Module._apply))
+            # copy.deepcopy of a fake tensor: one of this mode, its copy recorded (fake_mode.deepcopy_fake)
+            p.set(FakeTensor, "__deepcopy__", deepcopy_fake)
             if self.gpu is not None:
                 props = DeviceProperties(
                     name=self.gpu.name, major=self.capability[0], minor=self.capability[1],
@@ -391,6 +393,10 @@ class VirtualGPU:
             # torch._check_tensor_all(cond) (transformers' torch_compilable_check: Siglip2's "spatial_shapes
             # > 0"): an assertion on the batch's values, which the valid batch a real run feeds passes; it
             # decides no shape and no allocation.
+            return True
+        if validating_distribution():  # torch.distributions' argument check: it holds in a run that trains
+            if self.worst_case is not None:
+                self.worst_case.note("torch.distributions validation (holds)")
             return True
         if self._allow_item:
             # GradScaler's found_inf (0: no overflow, the steady state) and

@@ -14,6 +14,7 @@ by allocation.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -178,3 +179,50 @@ class FakeMode(FakeTensorMode):
             if len(storages) != len(set(storages)):
                 raise _BypassDispatchCache("outputs share a storage")
         return super()._make_cache_entry(state, key, func, args, kwargs, output)
+
+
+_TORCH_DEEPCOPY = torch.Tensor.__deepcopy__
+
+
+def deepcopy_fake(tensor: FakeTensor, memo: dict[Any, Any]) -> torch.Tensor:
+    """``copy.deepcopy`` of a fake tensor as a real one copies it: a new tensor of this fake mode on the same
+    device, with the same sizes and strides, whose storage is a new one of the source's size.
+
+    Torch's own ``Tensor.__deepcopy__`` takes its clone path for a fake tensor (its data pointer is 0), then
+    deep-copies the tensor's ``__dict__``, which for a fake tensor holds its fake mode (the copy would belong
+    to a copy of the whole mode, which ops mixing it with the model's tensors refuse) and, for a CPU scalar
+    made by ``torch.tensor``, its real ``constant`` (whose deep copy runs a real storage copy inside the fake
+    mode and fails: DoryModel's sliding-window cache layers hold one). Here the copy is made by ops that the
+    virtual GPU dispatches, so the observer records its allocation like any other: a ``clone`` where the
+    tensor covers its storage exactly (the same bytes a real deepcopy allocates; the fake mode keeps a
+    constant), else a copy of the whole storage viewed as the source is (a real deepcopy copies the storage,
+    and tensors sharing one in the same deepcopy share the copy). Attributes set on the tensor are
+    deep-copied as torch does; the fake tensor's own bookkeeping comes from the new tensor.
+    """
+    if not tensor.is_leaf:
+        return _TORCH_DEEPCOPY(tensor, memo)  # torch's error: only leaves support the deepcopy protocol
+    if id(tensor) in memo:
+        return memo[id(tensor)]
+    storage = tensor.untyped_storage()
+    copies = memo.setdefault("batchfit.fake_storages", {})  # source storage -> a tensor on its copy
+    copied = copies.get(storage._cdata)
+    with torch.no_grad():
+        covers = (tensor.storage_offset() == 0 and tensor.numel() * tensor.element_size() == storage.nbytes()
+                  and is_non_overlapping_and_dense(tensor))
+        if copied is None and (covers or tensor.is_conj() or tensor.is_neg() or tensor.layout != torch.strided):
+            new = copies[storage._cdata] = tensor.clone()
+        else:
+            if copied is None:
+                copied = copies[storage._cdata] = torch.empty(storage.nbytes(), dtype=torch.uint8,
+                                                              device=tensor.device)
+            new = torch.empty((0,), dtype=tensor.dtype, device=tensor.device)
+            new.set_(copied.untyped_storage(), tensor.storage_offset(), tensor.size(), tensor.stride())
+    if tensor.requires_grad:
+        new.requires_grad_()
+    if tensor.grad is not None:
+        new.grad = copy.deepcopy(tensor.grad, memo)
+    for name, value in tensor.__dict__.items():
+        if name not in new.__dict__:
+            setattr(new, name, copy.deepcopy(value, memo))
+    memo[id(tensor)] = new
+    return new

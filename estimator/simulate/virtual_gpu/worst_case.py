@@ -9,7 +9,10 @@ count of zero overflowed values) and ``bool()`` False, except in an
 ``assert``: the model's own check of its data or activations (ProphetNet's
 "shifted_input_ids has only positive values", I-BERT's "no NaN in the
 activation") holds, as it does in a real run that trains (one where it
-failed would stop). The report lists the policy.
+failed would stop); and except a count of a mask's true elements (its
+``sum``, the ``max`` of its sums), which reads its largest, the mask all
+true as above (BLT's entropy patcher: every byte starts a patch, its most
+patches). The report lists the policy.
 
 ``WorstCase`` sits in the virtual GPU's dispatch mode, above the fake
 mode, so the tensors it makes are fake too.
@@ -36,6 +39,9 @@ _COPIES = {aten._to_copy.default, aten.clone.default, aten.detach.default, aten.
 _UNIONS = {aten.bitwise_or.Tensor, aten.logical_or.default, aten.add.Tensor}
 _INTERSECTIONS = {aten.bitwise_and.Tensor, aten.logical_and.default, aten.mul.Tensor}
 _INDEX_PUTS = {aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
+_NOTS = {aten.bitwise_not.default, aten.logical_not.default}
+_SUMS = {aten.sum.default, aten.sum.dim_IntList, aten.count_nonzero.default, aten.count_nonzero.dim_IntList}
+_MAXES = {aten.max.default, aten.amax.default, aten.max.dim}
 
 
 class WorstCase:
@@ -46,11 +52,16 @@ class WorstCase:
     proposals); ``a | b`` at most the sum, ``a & b`` at most the smaller;
     ``z == v`` (v not 0) and ``z != 0`` none where ``z`` is all zeros (X-MOD's
     ``lang_ids == adapter_idx``, each sequence in the first language: the
-    other adapters get no rows). Every other mask may be all true.
+    other adapters get no rows); ``cat([m, ~m])`` exactly ``m.numel()`` (BLT's
+    patcher pads each row's patch starts so). Every other mask may be all true.
+    A mask's count (``m.sum(dim)``, its ``max``) holds at most its nonzeros,
+    at most the reduced elements, which ``.item()`` reads.
     """
 
     def __init__(self, where: Callable[[], str] | None = None) -> None:
         self.bounds: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> most nonzeros it can hold
+        self.complements: WeakIdKeyDictionary = WeakIdKeyDictionary()  # ~m -> m
+        self.counts: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a count of a mask's nonzeros -> its largest
         self._where = where  # the module running now (the Recorder's), for ``used``
         self.used: dict[str, list[str]] = {}  # the data-dependent ops met, each with the modules that ran them
 
@@ -74,6 +85,9 @@ class WorstCase:
         if _asserting():
             self.note("assert (holds)")
             return True if t.dtype == torch.bool else 1
+        if t in self.counts and t.numel() == 1:
+            self.note(".item() (a mask's count: all true)")
+            return self.counts[t]
         self.note(".item()" if t.dtype != torch.bool else "bool()")
         return False if t.dtype == torch.bool else 0
 
@@ -117,8 +131,34 @@ class WorstCase:
         return NotImplemented
 
     def after(self, func, args: tuple, kwargs: dict, out: Any) -> None:
-        """Track nonzero bounds through the ops that build masks."""
+        """Track nonzero bounds through the ops that build masks, and the counts taken of them."""
+        if func in _MAXES and isinstance(out, tuple):
+            out = out[0]  # max.dim: (values, indices)
         if not isinstance(out, torch.Tensor):
+            return
+        source = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if source is not None and func in _SUMS and source.dtype in _MASK_DTYPES:
+            dims = args[1] if len(args) > 1 else kwargs.get("dim")
+            dims = range(source.dim()) if dims is None or dims == [] else [dims] if isinstance(dims, int) else dims
+            reduced = 1
+            for d in dims:
+                reduced *= source.shape[d]
+            self.counts[out] = min(self.bound(source), reduced)
+            return
+        if source is not None and func in _MAXES and source in self.counts:
+            self.counts[out] = self.counts[source]
+            return
+        if func in _NOTS and source is not None and source.dtype == torch.bool:
+            self.complements[out] = source
+        if func is aten.cat.default and out.dtype in _MASK_DTYPES:
+            parts = list(args[0])
+            ids = {id(p) for p in parts}
+            paired = {id(p): p for p in parts if p in self.complements and id(self.complements[p]) in ids}
+            sources = {id(self.complements[p]) for p in paired.values()}
+            total = sum(p.numel() for p in paired.values()) + \
+                sum(self.bound(p) for p in parts if id(p) not in paired and id(p) not in sources)
+            if total < out.numel():
+                self.bounds[out] = total
             return
         if func in _ZEROS:
             self.bounds[out] = 0
@@ -154,6 +194,32 @@ def _has_mask(indices) -> bool:
 
 # Frames that run between the model's code and the read: torch (dispatch, FakeTensor.tolist) and the virtual GPU.
 _MACHINERY = (str(Path(torch.__file__).parent), str(Path(__file__).parent))
+
+
+def _validation_codes() -> frozenset[CodeType]:
+    from torch.distributions import Distribution
+
+    return frozenset({Distribution.__init__.__code__, Distribution._validate_sample.__code__})
+
+
+_DISTRIBUTION_VALIDATION = _validation_codes()
+
+
+def validating_distribution() -> bool:
+    """Whether the read is torch.distributions checking a distribution's arguments or a sample against its
+    constraints (``Distribution.__init__``, ``_validate_sample``; on by default: ``validate_args`` None).
+
+    On a real GPU that check reads the result (a sync) and raises when it fails; a run that trains passes it,
+    so the simulation answers that it holds, under any policy, and the check's own ops (the constraint's mask of
+    the argument's shape, its reduction) are recorded as on the card. Switching validation off instead
+    (``Distribution.set_default_validate_args(False)``) would drop those allocations, which a real run makes.
+    """
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_MACHINERY):
+        if frame.f_code in _DISTRIBUTION_VALIDATION:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _asserting() -> bool:
