@@ -184,3 +184,22 @@ def test_a_distributions_validation_holds_and_its_check_is_recorded(worst_case: 
                             worst_case=worst_case)
     assert any(a.op == "eq" and a.nbytes == b * WIDTH for a in trace.allocations if a.phase == Phase.FORWARD)
     assert torch.distributions.Distribution._validate_args
+
+
+def test_worst_case_bounds_forget_writes_through_views_and_count_repeated_parts() -> None:
+    """A zeros mask written through a slice (``mask[:, :n] = 1``) is no longer known to be empty: ``nonzero``
+    may find every element. ``cat([m, ~m, m])`` holds m.numel() + bound(m) trues, not m.numel()."""
+    from estimator.gpus import get_gpu
+    from estimator.simulate.virtual_gpu import VirtualGPU
+    from estimator.simulate.virtual_gpu.worst_case import WorstCase
+
+    with VirtualGPU(get_gpu("A100-80GB"), worst_case=WorstCase()):
+        empty = torch.zeros(4, 8, dtype=torch.bool, device="cuda")
+        assert empty.nonzero().shape == (0, 2)  # made as zeros: known empty
+        written = torch.zeros(4, 8, dtype=torch.bool, device="cuda")
+        written[:, :3] = True  # through a view: the base's version moves on
+        assert written.nonzero().shape == (32, 2)
+        m = torch.empty(4, 8, device="cuda") > 0
+        assert torch.cat([m, ~m]).nonzero().shape == (32, 2)  # exactly m.numel()
+        assert torch.cat([m, ~m, m]).nonzero().shape == (64, 2)  # the second m adds its own bound
+        assert torch.cat([~m, ~m, m]).nonzero().shape == (64, 2)  # one ~m paired, the other unbounded

@@ -203,6 +203,8 @@ def test_switch_balanced_routing_spreads_each_sequence_within_capacity() -> None
     assert _switch_nonzero_rows("balanced") == [E] + [2 * S // E] * E
 
 
-def test_switch_worst_case_routing_is_capped_by_the_expert_capacity() -> None:
-    # every token to one expert, which keeps 5 of each sequence's 16: 10 rows, not the 32 of the batch
-    assert _switch_nonzero_rows("worst-case") == [1, 2 * 5]
+def test_switch_worst_case_routing_fills_the_experts_to_their_capacity() -> None:
+    # Sending every token to one expert would route only 5 of each sequence's 16 (the rest dropped): less than
+    # balanced. The most a capacity router can route fills the experts in turn: 5, 5, 5 and the last 1 of each
+    # sequence, 4 experts hit, twice for the batch of 2.
+    assert _switch_nonzero_rows("worst-case") == [E, 2 * 5, 2 * 5, 2 * 5, 2 * 1]

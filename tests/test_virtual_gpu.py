@@ -269,8 +269,9 @@ def test_a_0d_tensor_formats_by_its_value_as_on_the_card() -> None:
         with vgpu.allowing_item():  # where batchfit knows the value (a step counter reads 1)
             assert f"expert_{index}" == "expert_1" and f"{index:02d}" == "01"
         assert f"{torch.empty(2, device='cuda')}".startswith("FakeTensor")  # not 0-d: torch's own format
-        with pytest.raises(DataDependentError):
-            f"{index}"  # no value to format
+        # a value the simulation does not know reads nothing: torch's format, no DataDependentError (a message
+        # built eagerly, f"tokens: {n}" in a check that passes, must not send the step to the worst case)
+        assert f"tokens: {index}".startswith("tokens: FakeTensor")
 
 
 class _State:

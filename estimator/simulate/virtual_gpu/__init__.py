@@ -15,7 +15,7 @@ answer as on the target card. Everything patched is put back on exit (docs/DESIG
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -162,14 +162,16 @@ class _EngineFacade:
         return getattr(self._real, name)
 
 
-def _format_as_cuda(original):
+def _format_as_cuda(original, known: Callable[[torch.Tensor], bool]):
     """``Tensor.__format__`` formats a 0-d plain tensor by its value (``.item()``) and any subclass by its
     repr: on the card ``f"expert_{idx}"`` (switch_transformers' experts loop) reads "expert_3", on a fake
-    tensor it would read "expert_FakeTensor(...)". A fake 0-d tensor is formatted as the card's, its value
-    read through ``.item()`` (the virtual GPU's policy for values)."""
+    tensor it would read "expert_FakeTensor(...)". A fake 0-d tensor whose value the simulation knows without
+    reading data (``known``: a constant, an expert index the MoE routing answers) is formatted as the card's;
+    any other keeps torch's format, so that a message built eagerly (``f"tokens: {n}"`` in a check that passes)
+    reads no value and changes no answer."""
 
     def __format__(self, format_spec):
-        if isinstance(self, FakeTensor) and self.dim() == 0:
+        if isinstance(self, FakeTensor) and self.dim() == 0 and known(self):
             return self.item().__format__(format_spec)
         return original(self, format_spec)
 
@@ -245,7 +247,7 @@ class VirtualGPU:
                 p.set(torch.autograd.Variable, "_execution_engine",
                       _EngineFacade(torch.autograd.Variable._execution_engine, self.engine))
             p.set(torch.Tensor, "register_hook", self._wrap_register_hook(torch.Tensor.register_hook))
-            p.set(torch.Tensor, "__format__", _format_as_cuda(torch.Tensor.__format__))
+            p.set(torch.Tensor, "__format__", _format_as_cuda(torch.Tensor.__format__, self._value_known))
             p.set(torch.UntypedStorage, "resize_", self._wrap_resize(torch.UntypedStorage.resize_))
             if self.distributed:
                 from torch.distributed.tensor._sharding_prop import ShardingPropagator
@@ -380,6 +382,11 @@ class VirtualGPU:
             yield
         finally:
             self._allow_item = False
+
+    def _value_known(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s value is known without reading data: a real constant, one the MoE routing answers, or
+        one batchfit drives (``allowing_item``: the optimizer's step counters)."""
+        return self._allow_item or getattr(t, "constant", None) is not None or self.routing.owns(t)
 
     def _scalar(self, t: torch.Tensor):
         """``.item()`` on a fake tensor: allowed only where batchfit drives it."""

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from estimator.models.routing import ROUTING
+from estimator.simulate.virtual_gpu.worst_case import version
 
 aten = torch.ops.aten
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -143,6 +144,9 @@ class _Mask:
     def hit(self) -> int:
         """How many experts receive tokens."""
         if self.policy == "worst-case":
+            if self.capacity is not None:  # the tokens past one expert's capacity fill the next ones
+                routed = self.tokens // self.groups * self.top_k
+                return min(self.experts, -(-routed // max(self.capacity, 1)))
             return min(self.top_k, self.experts)
         return min(self.experts, self.tokens // self.groups * self.top_k)
 
@@ -150,14 +154,19 @@ class _Mask:
         """Tokens of the next expert the loop serves."""
         i, self.served = self.served, self.served + 1
         if self.policy == "worst-case":
-            return self.count(0)  # the loop serves only the hit experts, each with every token
+            return self.count(i)  # the loop serves only the hit experts, in turn
         return self.count(i % self.experts)
 
     def count(self, expert: int) -> int:
         """Tokens that expert ``expert`` receives: balanced, tokens x top-k spread over the experts in turn;
         worst case, every token to the first top-k experts (each token picks each of them once); per sequence,
-        and at most ``capacity`` of each, where the router has a capacity."""
+        and at most ``capacity`` of each, where the router has a capacity (then the worst case fills the experts
+        in turn)."""
         per = self.tokens // self.groups
+        if self.policy == "worst-case" and self.capacity is not None:
+            # With a capacity, sending every token to one expert routes the fewest (the rest are dropped): the
+            # most a router can route fills the experts in turn, each to its capacity.
+            return self.groups * min(self.capacity, max(0, per * self.top_k - expert * self.capacity))
         if self.policy == "worst-case":
             kept = per if expert < self.top_k else 0
         else:
@@ -192,7 +201,7 @@ class Routing:
         from torch.utils.weak import WeakIdKeyDictionary
 
         self.masks: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> the _Mask it derives from
-        self.zeros: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensors made as zeros, not written since
+        self.zeros: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensors made as zeros -> their version then
         self.gates: WeakIdKeyDictionary = WeakIdKeyDictionary()  # (tokens, experts) top-k indicator -> _Mask
         # per-expert counts -> (the _Mask, None), and one count read from them -> (the _Mask, its expert)
         self.counts: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -214,13 +223,10 @@ class Routing:
     def after(self, func, args: tuple, kwargs: dict, out: Any) -> None:
         first = args[0] if args else None
         if func in _ZEROS:
-            self.zeros[out] = True
+            self.zeros[out] = version(out)  # any later write, through a view too, moves the version on
             return
         if not isinstance(first, torch.Tensor):
             return
-        was_zeros = bool(self.zeros) and first in self.zeros
-        if was_zeros and func._schema.is_mutable:
-            del self.zeros[first]  # written in place: no longer known to be zeros
         if func is aten.eq.Tensor and _one_hot(args):
             # one_hot(top_k_index, num_classes) on fake tensors: top_k_index.unsqueeze(-1) == arange(num_classes)
             idx, classes = args
@@ -236,7 +242,7 @@ class Routing:
             routed, capacity = self.capacities[args[1]]
             self.masks[out] = _Mask(routed.tokens, 1, routed.experts, routed.policy, groups=routed.groups,
                                     capacity=capacity)
-        elif func in _SCATTERS and was_zeros and _top_k_scatter(args):
+        elif func in _SCATTERS and self._still_zeros(first) and _top_k_scatter(args):
             tokens, experts = first.shape
             self.gates[out] = _Mask(tokens, args[2].shape[1], experts, ROUTING.get())
         elif self.masks and func in _FOLLOW and first in self.masks:
@@ -251,6 +257,12 @@ class Routing:
                 self.counts[out] = (self.gates[first], None)
         elif self.counts and first in self.counts:
             self._follow_counts(func, args, out)
+
+    def _still_zeros(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` was made as zeros and not written since (an in-place scatter's own write bumps the
+        version only after the op returns: worst_case.WorstCase._set)."""
+        made = self.zeros.get(t) if self.zeros else None
+        return made is not None and made == version(t)
 
     def _follow_counts(self, func, args: tuple, out: Any) -> None:
         """One expert's count from the per-expert counts (``tolist`` unbinds them and reads each)."""

@@ -21,6 +21,7 @@ mode, so the tensors it makes are fake too.
 from __future__ import annotations
 
 import dis
+import os
 import sys
 from collections.abc import Callable
 from functools import lru_cache
@@ -50,16 +51,17 @@ class WorstCase:
     A mask built as ``zeros_like(x)`` then ``mask[idx] = 1`` has at most
     ``len(idx)`` nonzeros (how torchvision's detection samplers pick 512
     proposals); ``a | b`` at most the sum, ``a & b`` at most the smaller;
-    ``z == v`` (v not 0) and ``z != 0`` none where ``z`` is all zeros (X-MOD's
-    ``lang_ids == adapter_idx``, each sequence in the first language: the
-    other adapters get no rows); ``cat([m, ~m])`` exactly ``m.numel()`` (BLT's
-    patcher pads each row's patch starts so). Every other mask may be all true.
+    ``cat([m, ~m])`` exactly ``m.numel()`` (BLT's patcher pads each row's patch
+    starts so). A bound holds until the tensor is written again (its version
+    counter). Comparisons of the placeholder batch (zeros ids) say nothing:
+    those are not the data. Every other mask may be all true.
     A mask's count (``m.sum(dim)``, its ``max``) holds at most its nonzeros,
     at most the reduced elements, which ``.item()`` reads.
     """
 
     def __init__(self, where: Callable[[], str] | None = None) -> None:
-        self.bounds: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> most nonzeros it can hold
+        self.bounds: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> (most nonzeros it can hold, version)
+        self._before_put = 0  # the bound of the tensor an index_put_ writes, read before the write
         self.complements: WeakIdKeyDictionary = WeakIdKeyDictionary()  # ~m -> m
         self.counts: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a count of a mask's nonzeros -> its largest
         self._where = where  # the module running now (the Recorder's), for ``used``
@@ -91,10 +93,23 @@ class WorstCase:
         self.note(".item()" if t.dtype != torch.bool else "bool()")
         return False if t.dtype == torch.bool else 0
 
+    def _set(self, t: torch.Tensor, bound: int, written: bool = False) -> None:
+        """Remember ``t``'s bound as of its version: any later write to it, through a view too (views share the
+        version counter), makes the bound unknown again (``tasks``' ``mask[:, :n] = 1``). ``written``: ``t`` is
+        what the op running now writes in place, whose version autograd's ADInplaceOrView kernel bumps once
+        after the op returns (above this dispatch mode)."""
+        self.bounds[t] = (bound, version(t) + (1 if written else 0))
+
+    def _known(self, t: Any) -> int | None:
+        """``t``'s bound if it is known and ``t`` was not written since, else None."""
+        entry = self.bounds.get(t) if isinstance(t, torch.Tensor) and self.bounds else None
+        return entry[0] if entry is not None and entry[1] == version(t) else None
+
     def bound(self, t: Any) -> int:
         if not isinstance(t, torch.Tensor):
             return 1
-        return min(self.bounds.get(t, t.numel()), t.numel())
+        known = self._known(t)
+        return t.numel() if known is None else min(known, t.numel())
 
     def _rows(self, mask: torch.Tensor) -> torch.Tensor:
         return torch.empty((self.bound(mask), mask.dim()), dtype=torch.long, device=mask.device)  # (N, ndim)
@@ -110,6 +125,8 @@ class WorstCase:
 
     def dispatch(self, func, args: tuple, kwargs: dict) -> Any:
         """The op's result under the worst-case policy, or NotImplemented to run it as is."""
+        if func in _INDEX_PUTS:  # the written tensor's bound before the write bumps its version
+            self._before_put = self.bound(args[0])
         out = self._dispatch(func, args, kwargs)
         if out is not NotImplemented:
             self.note(f"{getattr(func, 'namespace', 'aten')}.{func.__name__.split('.')[0]}")
@@ -151,41 +168,52 @@ class WorstCase:
         if func in _NOTS and source is not None and source.dtype == torch.bool:
             self.complements[out] = source
         if func is aten.cat.default and out.dtype in _MASK_DTYPES:
+            # each ~m paired with one occurrence of its m holds m.numel() trues between them; every part left
+            # unpaired adds its own bound (cat([m, ~m, m]): numel + bound(m))
             parts = list(args[0])
-            ids = {id(p) for p in parts}
-            paired = {id(p): p for p in parts if p in self.complements and id(self.complements[p]) in ids}
-            sources = {id(self.complements[p]) for p in paired.values()}
-            total = sum(p.numel() for p in paired.values()) + \
-                sum(self.bound(p) for p in parts if id(p) not in paired and id(p) not in sources)
+            unpaired = list(range(len(parts)))
+            total = 0
+            for i, p in enumerate(parts):
+                source = self.complements.get(p) if i in unpaired else None
+                j = next((j for j in unpaired if j != i and parts[j] is source), None)
+                if j is not None:
+                    unpaired.remove(i)
+                    unpaired.remove(j)
+                    total += p.numel()
+            total += sum(self.bound(parts[i]) for i in unpaired)
             if total < out.numel():
-                self.bounds[out] = total
+                self._set(out, total)
             return
+        in_place = func._schema.is_mutable
         if func in _ZEROS:
-            self.bounds[out] = 0
+            self._set(out, 0, in_place)
         elif func in (aten.full.default, aten.full_like.default, aten.new_full.default, aten.fill_.Scalar):
             if args[-1] == 0 or kwargs.get("fill_value") == 0:
-                self.bounds[out] = 0
+                self._set(out, 0, in_place)
             else:
                 self.bounds.pop(out, None)
-        elif func in (aten.eq.Scalar, aten.ne.Scalar) and isinstance(args[0], torch.Tensor) \
-                and self.bounds.get(args[0]) == 0:
-            # an all-zeros tensor (ids made as zeros: X-MOD's lang_ids) against a scalar: all false, or all true
-            if (func is aten.eq.Scalar) == (args[1] != 0):
-                self.bounds[out] = 0
         elif func in _INDEX_PUTS:
             written = args[1][0].shape[0] if args[1] and isinstance(args[1][0], torch.Tensor) else out.numel()
-            self.bounds[out] = min(out.numel(), self.bound(args[0]) + written)
-        elif func in _COPIES and isinstance(args[0], torch.Tensor) and args[0] in self.bounds:
-            self.bounds[out] = self.bound(args[0])
-        elif func in _UNIONS and len(args) >= 2 and all(isinstance(a, torch.Tensor) and a in self.bounds
-                                                        for a in args[:2]):
-            self.bounds[out] = min(out.numel(), self.bound(args[0]) + self.bound(args[1]))
+            before = self._before_put if in_place else self.bound(args[0])
+            self._set(out, min(out.numel(), before + written), in_place)
+        elif func in _COPIES and self._known(args[0]) is not None:
+            self._set(out, self.bound(args[0]))
+        elif func in _UNIONS and len(args) >= 2 and all(self._known(a) is not None for a in args[:2]):
+            self._set(out, min(out.numel(), self.bound(args[0]) + self.bound(args[1])))
         elif func in _INTERSECTIONS and len(args) >= 2:
-            known = [self.bound(a) for a in args[:2] if isinstance(a, torch.Tensor) and a in self.bounds]
+            known = [k for k in (self._known(a) for a in args[:2]) if k is not None]
             if known:
-                self.bounds[out] = min(min(known), out.numel())
-        elif out in self.bounds and func._schema.is_mutable:
-            del self.bounds[out]  # written in place by something we do not follow
+                self._set(out, min(min(known), out.numel()))
+        # a tensor written in place by an op not followed here: its version moved on, so its bound is unknown
+
+
+def version(t: torch.Tensor) -> int:
+    """``t``'s version counter (bumped by every in-place write to it or a view of it); -1 for an inference tensor,
+    which has none."""
+    try:
+        return t._version
+    except RuntimeError:
+        return -1
 
 
 def _has_mask(indices) -> bool:
@@ -193,7 +221,7 @@ def _has_mask(indices) -> bool:
 
 
 # Frames that run between the model's code and the read: torch (dispatch, FakeTensor.tolist) and the virtual GPU.
-_MACHINERY = (str(Path(torch.__file__).parent), str(Path(__file__).parent))
+_MACHINERY = (str(Path(torch.__file__).parent) + os.sep, str(Path(__file__).parent) + os.sep)
 
 
 def _validation_codes() -> frozenset[CodeType]:
