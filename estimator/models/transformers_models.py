@@ -227,7 +227,9 @@ def _experts_lines(model: torch.nn.Module, spec: TransformersModel) -> list[str]
     if spec.moe_routing == "balanced":
         spread = f"tokens x {k} / {n} per expert" if isinstance(k, int) else "tokens spread evenly"
     else:
-        spread = ("every token to the same expert" if k == 1 else f"every token to the same {k} experts"
+        spread = ("the experts filled in turn to their capacity" if gates and not experts
+                  and getattr(gates[0], "expert_capacity", None) is not None
+                  else "every token to the same expert" if k == 1 else f"every token to the same {k} experts"
                   if isinstance(k, int) else "every token to the same experts")
     lines.append(f"moe_routing: {spec.moe_routing} ({share}, {spread}{kept})")
     return lines
