@@ -26,14 +26,14 @@ AUX_SEGMENTATION_WEIGHT = 0.5
 def images(channels: int, height: int, width: int) -> Callable:
     def make(b: int, device: Any):
         x = torch.empty(b, channels, height, width, device=device)  # (B, C, H, W)
-        return x, torch.zeros(b, dtype=torch.long, device=device)
+        return x, _classes(b, device)
     return make
 
 
 def clips(channels: int, frames: int, height: int, width: int) -> Callable:
     def make(b: int, device: Any):
         x = torch.empty(b, channels, frames, height, width, device=device)  # (B, C, T, H, W)
-        return x, torch.zeros(b, dtype=torch.long, device=device)
+        return x, _classes(b, device)
     return make
 
 
@@ -105,6 +105,11 @@ def model_loss(out: Any, target: Any) -> torch.Tensor:
     return out.loss
 
 
+def _classes(b: int, device: Any) -> torch.Tensor:
+    """One class label per sample (B,): a classifier's targets."""
+    return torch.zeros(b, dtype=torch.long, device=device)
+
+
 def _ids(b: int, s: int, device: Any) -> torch.Tensor:
     return torch.zeros(b, s, dtype=torch.long, device=device)  # (B, S)
 
@@ -139,7 +144,7 @@ def text(task: str, seq_len: int, target_seq_len: int | None = None, *, attentio
         elif task == "masked-lm":
             inputs["labels"] = _ids(b, label_len or seq_len, device)
         elif task == "sequence-classification":
-            inputs["labels"] = torch.zeros(b, dtype=torch.long, device=device)
+            inputs["labels"] = _classes(b, device)
         elif task == "seq2seq-lm":
             inputs["labels"] = _ids(b, target_seq_len or seq_len, device)
         else:
@@ -153,7 +158,7 @@ def pixels(channels: int, height: int, width: int, *, labels: bool = True) -> Ca
     whose forward takes none (pp_lcnet), come back as the targets of ``head_loss``."""
     def make(b: int, device: Any):
         x = torch.empty(b, channels, height, width, device=device)
-        target = torch.zeros(b, dtype=torch.long, device=device)
+        target = _classes(b, device)
         return ({"pixel_values": x, "labels": target}, None) if labels else ({"pixel_values": x}, target)
     return make
 
@@ -161,7 +166,7 @@ def pixels(channels: int, height: int, width: int, *, labels: bool = True) -> Ca
 def image_tokens(seq_len: int) -> Callable:
     """ImageGPT's input: one color-cluster id per pixel of the resized image (B, H*W), and class labels."""
     def make(b: int, device: Any):
-        return {"input_ids": _ids(b, seq_len, device), "labels": torch.zeros(b, dtype=torch.long, device=device)}, None
+        return {"input_ids": _ids(b, seq_len, device), "labels": _classes(b, device)}, None
     return make
 
 
@@ -176,7 +181,7 @@ def patches(max_patches: int, patch_dim: int, grid: tuple[int, int]) -> Callable
         shapes = torch.empty(b, 2, dtype=torch.long, device=device)
         shapes[:, 0], shapes[:, 1] = grid
         return {"pixel_values": x, "pixel_attention_mask": mask, "spatial_shapes": shapes,
-                "labels": torch.zeros(b, dtype=torch.long, device=device)}, None
+                "labels": _classes(b, device)}, None
     return make
 
 
@@ -193,7 +198,7 @@ def image_prompt(seq_len: int, image_tokens: int, image_token_id: int, channels:
         types[:, 1: 1 + image_tokens] = 1
         inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "token_type_ids": types,
                   "pixel_values": torch.empty(b, channels, height, width, device=device)}
-        return inputs, torch.zeros(b, dtype=torch.long, device=device)
+        return inputs, _classes(b, device)
     return make
 
 

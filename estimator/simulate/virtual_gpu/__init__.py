@@ -41,6 +41,8 @@ from estimator.simulate.virtual_gpu.worst_case import WorstCase, validating_dist
 
 __all__ = ["NullObserver", "Observer", "Shortcuts", "VirtualGPU"]
 
+_IS_ALL_TRUE = torch.ops.aten._is_all_true.default  # torch._check_tensor_all's verdict (VirtualGPU._checks)
+
 
 class Observer(Protocol):
     """What watches the virtual GPU: every op's outputs, and the memory questions torch.cuda answers.
@@ -132,7 +134,7 @@ class _DispatchMode(TorchDispatchMode):
         if policy is not None:
             policy.after(func, args, kwargs, out)
         vgpu.routing.after(func, args, kwargs, out)
-        if func is torch.ops.aten._is_all_true.default:
+        if func is _IS_ALL_TRUE:
             vgpu._checks[out] = True
         vgpu.observer.on_op(func, args, kwargs, out)
         return out
