@@ -21,9 +21,12 @@ test: lint typecheck test-all
 test-all: $(STAMP)
 	$(PYTEST) -n $(JOBS) --dist loadfile --durations=25 tests
 
-# The quick loop: unit and small-zoo simulation tests (no full model zoo, no service workers).
+# The quick loop: unit and small-zoo simulation tests (no full model zoo, no service workers, no slow searches).
 test-fast: $(STAMP)
-	$(PYTEST) -m "unit or sim" tests
+	$(PYTEST) -n $(JOBS) -m "unit or sim" tests
+
+# Before a commit: lint, types and the quick loop.
+check: lint typecheck test-fast
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -37,7 +40,7 @@ serve: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/simulate_speed.py
 
-# The coverage sweep (issue 16): every transformers causal/masked/seq2seq-LM and image-classification type and
+# The coverage sweep: every transformers causal/masked/seq2seq-LM and image-classification type and
 # 100 seeded timm names, one simulated step each; prints simulates / 422 / fails per task and the failure reasons.
 coverage: $(STAMP)
 	$(PY) bench/coverage_sweep.py

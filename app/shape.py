@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 
 from estimator.errors import SpecError
-from estimator.request.limits import MAX_JSON_DEPTH
+from estimator.options import MAX_JSON_DEPTH
 
 # The schema's own nesting (body -> model -> config -> ...) plus the free-form part's limit.
 MAX_BODY_DEPTH = MAX_JSON_DEPTH + 16

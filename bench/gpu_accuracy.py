@@ -5,7 +5,7 @@
 
 For each of the 24 cases below: the prediction for this machine's card at
 the case's batch, and one real step measured in a subprocess
-(estimator.validate: 3 iterations, max_memory_allocated/reserved, NVML used
+(estimator.measure.cuda: 3 iterations, max_memory_allocated/reserved, NVML used
 minus the pre-model baseline plus the measured context). Then for 5 cases
 the real max batch, bisected on the GPU around the prediction, vs the
 predicted max. Then the median and max absolute errors per field.
@@ -18,15 +18,15 @@ import statistics
 import sys
 import time
 
-from estimator.testing.gpu_cases import CASES, MAX_BATCH_CASES  # the suite, shared with its test
+from estimator.measure.cases import CASES, MAX_BATCH_CASES  # the suite, shared with its test
 
 FIELDS = ("allocated_peak_bytes", "reserved_peak_bytes", "device_peak_bytes")
 GIB = 2**30
 
 
 def _gpu_suite(out: str | None, budget_s: float) -> int:
-    from estimator.request.spec import parse_request
-    from estimator.validate import CudaSubprocess, cuda_available, local_card, validate
+    from estimator.measure.cuda import CudaSubprocess, cuda_available, local_card, validate
+    from estimator.request.parse import parse_request
 
     if not cuda_available():
         print("error: no CUDA GPU is available on this machine (use --cpu-selfcheck here)", file=sys.stderr)
@@ -105,9 +105,9 @@ def _cpu_selfcheck() -> int:
 
     The cases and the measurement are the test suite's (estimator/testing: zoo.py, cpu_truth.py).
     """
+    from estimator.measure.cpu import BATCH, real_cpu_peak
     from estimator.pipeline import estimate_memory
-    from estimator.request.recipe import Recipe
-    from estimator.testing.cpu_truth import BATCH, real_cpu_peak
+    from estimator.simulate.recipe import Recipe
     from estimator.testing.zoo import ZOO
 
     worst = 0.0

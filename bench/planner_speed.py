@@ -26,7 +26,7 @@ import torchvision
 
 from estimator.gpus import CATALOG
 from estimator.pipeline import estimate
-from estimator.request.spec import parse_request
+from estimator.request.parse import parse_request
 
 
 def cpu_step_seconds(batch: int = 32, repeats: int = 3) -> float:

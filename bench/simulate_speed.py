@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from estimator.pipeline import estimate_memory
-from estimator.request.recipe import Recipe
+from estimator.simulate.recipe import Recipe
 
 
 def resnet50():
@@ -53,13 +53,13 @@ def lm_loss(out, labels):
 def preset(name: str, seq_len: int, training: dict):
     """A transformers preset through the request path: (factory, batches, loss, recipe)."""
     from estimator.models import build
-    from estimator.request.adapt import recipe_of
-    from estimator.request.spec import parse_request
+    from estimator.request.adapt import job_of
+    from estimator.request.parse import parse_request
 
-    req = parse_request({"model": {"source": "transformers", "preset": name}, "input": {"seq_len": seq_len},
-                         "training": training})
-    b = build(req)
-    return b.factory, b.batch_factory, b.loss_fn, recipe_of(req)
+    job = job_of(parse_request({"model": {"source": "transformers", "preset": name},
+                                "input": {"seq_len": seq_len}, "training": training}))
+    b = build(job.model, job.input)
+    return b.factory, b.batch_factory, b.loss_fn, job.recipe
 
 
 def main() -> None:

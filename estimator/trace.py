@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, Protocol
 
 
 class Category(StrEnum):
@@ -94,6 +94,10 @@ class Trace:
         streams = [a.stream for a in self.allocations]
         return streams if any(streams) else None
 
+    def sized(self, batch: int, workspace: int) -> Sized:
+        """``Step.sized``: a trace is the step at the one batch it was recorded at."""
+        return self.events, self.sizes(workspace), self.categories(), self.streams()
+
     def where(self, k: int) -> tuple[str, str, int]:
         """(phase, module, iteration) of allocation ``k``, as a report names the peak."""
         a = self.allocations[k]
@@ -112,3 +116,23 @@ class Trace:
             if live > peak:
                 peak, idx = live, i
         return peak, idx
+
+
+# (events, each allocation's bytes, categories, streams or None): what the allocator replays
+Sized = tuple[list[tuple[bool, int]], list[int], list[str], list[int] | None]
+
+
+class Step(Protocol):
+    """A training step the allocator can replay: a ``Trace`` (the batch it was recorded at) or an affine trace
+    (``estimator.plan.affine.AffineTrace``: any batch)."""
+
+    @property
+    def events(self) -> list[tuple[bool, int]]: ...
+
+    def sized(self, batch: int, workspace: int) -> Sized:
+        """The step at ``batch`` with the card's cuBLAS workspace of ``workspace`` bytes."""
+        ...
+
+    def where(self, k: int) -> tuple[str, str, int]:
+        """(phase, module, iteration) of allocation ``k``."""
+        ...

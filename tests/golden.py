@@ -77,7 +77,7 @@ def _memory(m) -> dict | None:
 def answers(name: str) -> tuple[list[dict], dict]:
     """(the answers per card, the response's other numbers) for request ``name``: one estimate."""
     from estimator.pipeline import estimate
-    from estimator.request.spec import parse_request
+    from estimator.request.parse import parse_request
 
     model, inp, training = REQUESTS[name]
     request = parse_request({"model": model, "input": inp, "training": training, "gpus": CARDS,

@@ -36,14 +36,14 @@ import torch.nn as nn
 from estimator.gpus import custom_gpu, get_gpu
 from estimator.replay.allocator import AllocatorConfig
 from estimator.replay.report import report_from_trace
-from estimator.request.recipe import Recipe
 from estimator.simulate import accumulation
 from estimator.simulate.accumulation import REPLAYED, micro_steps_in_trace
+from estimator.simulate.recipe import Recipe
 from estimator.simulate.record import record_training
 from estimator.simulate.step import prepare, run_steps
 from estimator.testing.zoo import ZOO, _ce, _image_batch
 
-TIER = "sim"
+pytestmark = pytest.mark.sim
 A100 = get_gpu("A100-80GB")
 MIB = 2**20
 
@@ -269,17 +269,18 @@ def _timed_fields(data: dict) -> dict:
 
 
 def test_an_estimate_of_4096_micro_steps_answers_as_one_of_6(monkeypatch) -> None:
-    from estimator.models import build
+    from support import build_request
+
     from estimator.pipeline import estimate
     from estimator.plan.results import to_json
-    from estimator.request.spec import parse_request
+    from estimator.request.parse import parse_request
 
     monkeypatch.setenv("BATCHFIT_PARALLEL", "0")  # every simulation in this process, where it is counted
 
     def answer(n: int):
         request = parse_request({"model": {"source": "timm", "name": "resnet18"}, "input": {"image_size": [3, 64, 64]},
                                  "training": {"grad_accumulation_steps": n}, "gpus": ["T4-16GB", "H100-80GB"]})
-        built = build(request)
+        built = build_request(request)
         return to_json(estimate(request, built=dataclasses.replace(built, batch_factory=PerBatch(built.batch_factory))))
 
     long, six = answer(4096), answer(REPLAYED)
@@ -299,14 +300,15 @@ def test_detection_objects_do_not_lengthen_the_step() -> None:
     torchvision matches them to anchors in whole-tensor ops), so an estimate at the limit costs what one at
     16 does; what makes a detection estimate slow is its full-simulation search (the step is not affine in
     the batch: torchvision loops over the images)."""
-    from estimator.models import build
+    from support import build_request
+
     from estimator.request.adapt import recipe_of
-    from estimator.request.spec import parse_request
+    from estimator.request.parse import parse_request
 
     def step(objects: int):
         request = parse_request({"model": {"source": "torchvision", "name": "fasterrcnn_mobilenet_v3_large_320_fpn"},
                                  "input": {"num_objects": objects}, "gpus": ["T4-16GB"]})
-        built = build(request)
+        built = build_request(request)
         return record_training(built.factory, built.batch_factory, built.loss_fn, 2, recipe_of(request),
                                get_gpu("T4-16GB"), worst_case=True)
 

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from estimator.errors import ReplayError
 from estimator.replay.allocator import AllocatorConfig, Event, allocation_size, replay, round_size
 
-TIER = "unit"
+pytestmark = pytest.mark.unit
 
 MiB = 1024 * 1024
 

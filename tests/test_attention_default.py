@@ -11,17 +11,17 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from support import build_request
 
 from estimator.errors import SpecError
 from estimator.gpus import get_gpu
-from estimator.models import build
 from estimator.pipeline import estimate
 from estimator.replay.report import report_from_trace
-from estimator.request.recipe import Recipe
-from estimator.request.spec import parse_request
+from estimator.request.parse import parse_request
+from estimator.simulate.recipe import Recipe
 from estimator.simulate.record import record_training
 
-TIER = "sim"
+pytestmark = pytest.mark.sim
 
 A100 = get_gpu("A100-40GB")
 GPT2 = {"model_type": "gpt2", "n_layer": 1, "n_embd": 64, "n_head": 4, "vocab_size": 1000, "n_positions": 128}
@@ -44,7 +44,7 @@ def _request(config: dict[str, Any], attn: str | None = None, task: str = "causa
 
 
 def _peak(config: dict[str, Any], attn: str | None) -> int:
-    built = build(_request(config, attn))
+    built = build_request(_request(config, attn))
     trace = record_training(built.factory, built.batch_factory, built.loss_fn, 2, Recipe(), A100)
     return report_from_trace(trace, 2, A100).allocated_peak_bytes
 
@@ -58,9 +58,9 @@ def test_the_default_is_null() -> None:
 
 
 def test_a_class_with_sdpa_gets_sdpa_as_before() -> None:
-    built = build(_request(GPT2))
+    built = build_request(_request(GPT2))
     assert _attention(built.assumptions) == ["attention: sdpa (transformers' default for GPT2LMHeadModel)"]
-    assert _attention(build(_request(GPT2, "eager")).assumptions) == [
+    assert _attention(build_request(_request(GPT2, "eager")).assumptions) == [
         "attention: eager (model.attn_implementation, on GPT2LMHeadModel)"]
     # the default simulates exactly what "sdpa" did (the old default); eager keeps (B, H, S, S) probabilities
     default, sdpa, eager = _peak(GPT2, None), _peak(GPT2, "sdpa"), _peak(GPT2, "eager")
@@ -80,19 +80,19 @@ def test_a_class_without_sdpa_simulates_with_eager() -> None:
 def test_a_named_kernel_the_class_lacks_is_the_requests_error(through: str) -> None:
     request = _request(BLOOM, "sdpa")
     with pytest.raises(SpecError) as info:
-        build(request) if through == "build" else estimate(request)
+        build_request(request) if through == "build" else estimate(request)
     assert info.value.field == "model.attn_implementation" and info.value.value == "sdpa"
     assert info.value.expected.startswith("one BloomForCausalLM supports: eager (")
 
 
 def test_a_sub_model_without_sdpa() -> None:
     # transformers resolves each sub-model's kernel on its own: the default runs eager in the decoder only
-    built = build(_request(ENC_DEC, task="seq2seq-lm"))
+    built = build_request(_request(ENC_DEC, task="seq2seq-lm"))
     assert _attention(built.assumptions) == [
         "attention: sdpa (transformers' default for EncoderDecoderModel); eager in RoFormerForCausalLM"]
     # naming sdpa fails in the decoder's __init__ (the top class passes the check): still the request's error
     with pytest.raises(SpecError) as info:
-        build(_request(ENC_DEC, "sdpa", task="seq2seq-lm"))
+        build_request(_request(ENC_DEC, "sdpa", task="seq2seq-lm"))
     assert info.value.field == "model.attn_implementation"
     assert "RoFormerForCausalLM" in info.value.expected
 

@@ -10,17 +10,17 @@ import textwrap
 import time
 
 import pytest
+from support import build_request
 
-from estimator import background
-from estimator.background import Background
 from estimator.gpus import get_gpu
-from estimator.models import build
-from estimator.request.recipe import Recipe
-from estimator.request.spec import parse_request
+from estimator.request.parse import parse_request
+from estimator.simulate import background
+from estimator.simulate.background import Background
+from estimator.simulate.recipe import Recipe
 from estimator.simulate.record import record_training
-from estimator.sources import Simulator
+from estimator.simulate.source import Simulator
 
-TIER = "sim"
+pytestmark = pytest.mark.sim
 
 A100 = get_gpu("A100-80GB")
 
@@ -57,7 +57,7 @@ def test_child_dies_with_its_parent(tmp_path) -> None:
     script = tmp_path / "parent.py"
     script.write_text(textwrap.dedent("""
         import sys, time
-        from estimator.background import Background
+        from estimator.simulate.background import Background
         job = Background(lambda: time.sleep(120))
         print(job.pid, flush=True)
         time.sleep(120)
@@ -79,14 +79,14 @@ def test_prefetched_trace_equals_one_simulated_here(monkeypatch) -> None:
     monkeypatch.setenv("BATCHFIT_PARALLEL", "1")
     if not background.enabled():
         pytest.skip("one core: no background simulations")  # never on CI's machines (2 cores)
-    built = build(parse_request({"model": {"source": "torchvision", "name": "resnet18"},
-                                 "input": {"image_size": [3, 64, 64]}}))
+    built = build_request(parse_request({"model": {"source": "torchvision", "name": "resnet18"},
+                                         "input": {"image_size": [3, 64, 64]}}))
     sim = Simulator(built, Recipe())
     sim.prefetch(2, A100)
-    sim.trace(1, A100)
+    sim.simulate(1, A100)
     assert sim._pending  # not collected until asked for
-    fetched = sim.trace(2, A100)
-    assert not sim._pending and sim.simulations == 2
+    fetched, runs = sim.simulate(2, A100)
+    assert not sim._pending and runs == 1 and sim.runs == 2
     here = record_training(built.factory, built.batch_factory, built.loss_fn, 2, Recipe(), A100)
     assert fetched.events == here.events
     assert [(a.nbytes, a.category, a.op, a.phase, a.module) for a in fetched.allocations] == \
@@ -97,6 +97,6 @@ def test_prefetched_trace_equals_one_simulated_here(monkeypatch) -> None:
 def test_switched_off(monkeypatch) -> None:
     monkeypatch.setenv("BATCHFIT_PARALLEL", "0")
     assert not background.enabled()
-    sim = Simulator(build(parse_request({"model": {"source": "torchvision", "name": "resnet18"}})), Recipe())
+    sim = Simulator(build_request(parse_request({"model": {"source": "torchvision", "name": "resnet18"}})), Recipe())
     sim.prefetch(2, A100)
     assert not sim._pending

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torchvision
 
-from estimator.cli import main
+from estimator.cli.main import main
 from estimator.gpus import get_gpu
-from estimator.models import count_parameters
+from estimator.models.building import count_parameters
 from estimator.models.meta import build_on_meta
 from estimator.replay.allocator import round_size
 from estimator.replay.modules import (
@@ -24,12 +24,12 @@ from estimator.replay.modules import (
     table_rows,
 )
 from estimator.replay.report import Breakdown, report_from_trace
-from estimator.request.recipe import Recipe
+from estimator.simulate.recipe import Recipe
 from estimator.simulate.record import record_training
 from estimator.testing.zoo import ZOO
 from estimator.trace import Category
 
-TIER = "sim"
+pytestmark = pytest.mark.sim
 
 A100 = get_gpu("A100-80GB")
 PARAM, ACT = Category.PARAMETER, Category.ACTIVATION

@@ -12,7 +12,7 @@ import pytest
 
 from app.cache import RedisCache, SingleFlight, SQLiteCache, cache_key
 
-TIER = "service"
+pytestmark = pytest.mark.service
 
 
 @pytest.fixture(scope="module")

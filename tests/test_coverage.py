@@ -15,7 +15,7 @@ import pytest
 
 from estimator.testing import coverage
 
-TIER = "zoo"
+pytestmark = pytest.mark.zoo
 
 # Spread over the tasks and over the kinds of model: dense, MoE, hybrid linear attention, state space,
 # encoder-only, encoder-decoder, vision transformer, convnet.

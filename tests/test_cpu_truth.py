@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from estimator.measure.cpu import BATCH, real_cpu_peak
 from estimator.pipeline import estimate_memory
-from estimator.request.recipe import Recipe
-from estimator.testing.cpu_truth import BATCH, real_cpu_peak
+from estimator.simulate.recipe import Recipe
 from estimator.testing.zoo import ZOO
 
-TIER = "sim"
+pytestmark = pytest.mark.sim
 
 # Reentrant checkpoint also snapshots the CPU RNG state (a 5,056 B host tensor made
 # outside the dispatcher) per call; that is host memory a GPU prediction never counts.

@@ -10,10 +10,10 @@ import torch.nn.functional as F
 from estimator.gpus import MIB, get_gpu
 from estimator.pipeline import estimate, estimate_memory
 from estimator.replay.allocator import AllocatorConfig, replay_sized
-from estimator.request.recipe import Recipe
-from estimator.request.spec import parse_request
+from estimator.request.parse import parse_request
+from estimator.simulate.recipe import Recipe
 
-TIER = "sim"
+pytestmark = pytest.mark.sim
 
 A100, T4 = get_gpu("A100-80GB"), get_gpu("T4-16GB")
 B = 8
@@ -155,7 +155,7 @@ def test_cards_on_either_side_of_sm80_do_not_share_a_bf16_conv_trace() -> None:
 
 def test_a_profile_keeps_the_capability_thresholds(tmp_path) -> None:
     from estimator.pipeline import estimate_from_profile, make_profile
-    from estimator.portable import PortableProfile
+    from estimator.portable.profile import PortableProfile
 
     body = {"model": {"source": "torchvision", "name": "resnet18"}, "input": {"image_size": [3, 64, 64]},
             "training": {"precision": "bf16"}, "gpus": ["A100-40GB"]}

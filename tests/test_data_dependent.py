@@ -7,15 +7,15 @@ from __future__ import annotations
 import asserting_models
 import pytest
 import torch
+from support import build_request
 from torch import nn
 
 from estimator import estimate, parse_request
-from estimator.models import build
 from estimator.request.adapt import recipe_of
 from estimator.simulate.record import record_built
 from estimator.trace import Phase
 
-TIER = "sim"
+pytestmark = pytest.mark.sim
 WIDTH = 64
 
 
@@ -70,7 +70,7 @@ def test_the_masked_rows_are_every_element() -> None:
     """At batch B, ``h[h > 0]`` in gate keeps B x 64 fp32 values: B x 256 bytes, and nonzero's rows in the
     top module are B x 1 int64 (8 B each): what the trace records in the forward."""
     request = parse_request(REQUEST, allow_local_code=True)
-    built = build(request)
+    built = build_request(request)
     batch = 32
     trace = record_built(built, batch, recipe_of(request), None)
     assert built.worst_case  # marked: the next simulations apply the policy at once
@@ -84,7 +84,7 @@ def test_a_models_asserts_hold_under_the_worst_case() -> None:
     The model lives in tests/asserting_models.py: pytest rewrites the asserts of test modules into ifs."""
     request = parse_request({**REQUEST, "model": {"source": "custom", "factory": "asserting_models:make_checked"}},
                             allow_local_code=True)
-    built = build(request)
+    built = build_request(request)
     trace = record_built(built, 8, recipe_of(request), None)
     line = next(a for a in trace.assumptions if a.startswith("data-dependent ops at their worst case: "))
     assert line == "data-dependent ops at their worst case: assert (holds) in Checked; bool() in Checked"
@@ -142,7 +142,7 @@ def test_a_masks_count_reads_its_largest_and_a_padded_mask_its_exact_count() -> 
     """``cat([m, ~m])`` holds exactly ``m.numel()`` trues (so the reshape holds), and ``m.sum(1).max()`` reads
     SEQ, every element true as for the masks themselves: the gather keeps B x SEQ x WIDTH fp32 values."""
     from estimator.gpus import get_gpu
-    from estimator.request.recipe import Recipe
+    from estimator.simulate.recipe import Recipe
     from estimator.simulate.record import record_training
 
     batch = 4
@@ -173,7 +173,7 @@ def test_a_distributions_validation_holds_and_its_check_is_recorded(worst_case: 
     """The argument and sample checks pass, as in a real run that trains, under either policy; the logits'
     check (``value == value``: a B x WIDTH bool mask) is allocated as on the card; torch's default is kept."""
     from estimator.gpus import get_gpu
-    from estimator.request.recipe import Recipe
+    from estimator.simulate.recipe import Recipe
     from estimator.simulate.record import record_training
 
     def batch(b: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

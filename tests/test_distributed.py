@@ -18,13 +18,13 @@ from estimator.errors import SpecError
 from estimator.gpus import get_gpu
 from estimator.pipeline import estimate, estimate_memory
 from estimator.replay.allocator import AllocatorConfig, replay_sized
-from estimator.request.recipe import Distributed, Recipe
-from estimator.request.spec import parse_request
+from estimator.request.parse import parse_request
 from estimator.simulate.distributed import candidate_ranks, uneven_shards, zero_partition_sizes
+from estimator.simulate.recipe import Distributed, Recipe
 from estimator.simulate.record import record_training
 from estimator.trace import Category, Phase
 
-TIER = "sim"
+pytestmark = pytest.mark.sim
 MIB = 2**20
 A100 = get_gpu("A100-80GB")
 

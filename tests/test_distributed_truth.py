@@ -7,16 +7,15 @@ import dataclasses
 import pytest
 import torch
 
+from estimator.measure import distributed as dt
+from estimator.measure.cpu import BATCH, real_cpu_peak
 from estimator.pipeline import estimate_memory
-from estimator.request.recipe import Distributed, Recipe
 from estimator.simulate.distributed import candidate_ranks
-from estimator.testing import distributed_truth as dt
-from estimator.testing.cpu_truth import BATCH, real_cpu_peak
+from estimator.simulate.recipe import Distributed, Recipe
 from estimator.testing.zoo import ZOO
 
-TIER = "sim"
-
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in")
+pytestmark = [pytest.mark.sim,
+              pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in")]
 
 ADAMW = Recipe(optimizer="adamw")
 MODELS = ("mlp", "conv", "gpt2")

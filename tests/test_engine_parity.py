@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 
-from estimator.request.recipe import Recipe
+from estimator.simulate.recipe import Recipe
 from estimator.simulate.record import record_training
 from estimator.testing.zoo import ZOO
 
-TIER = "sim"
+pytestmark = pytest.mark.sim
 
 EXACT = [
     "resnet18", "resnet50", "vit_b_16", "mobilenet_v3_small", "lstm", "gpt2", "bert", "tied", "inplace", "inplace_view",

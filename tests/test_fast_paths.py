@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support import build_request
 
 from estimator.gpus import get_gpu
-from estimator.models import build
-from estimator.request.recipe import Recipe
-from estimator.request.spec import parse_request
+from estimator.request.parse import parse_request
+from estimator.simulate.recipe import Recipe
 from estimator.simulate.record import record_training
 from estimator.simulate.virtual_gpu import Shortcuts, VirtualGPU
 from estimator.testing.zoo import ZOO
 
-TIER = "sim"
+pytestmark = pytest.mark.sim
 
 A100 = get_gpu("A100-80GB")
 aten = torch.ops.aten
@@ -60,7 +60,7 @@ MODELS = [
 @pytest.mark.parametrize("precision", ["fp32", "amp-fp16", "amp-bf16"])
 def test_batch_norm_and_cache_key_shortcuts(model, precision) -> None:
     inp = {"seq_len": 64} if "preset" in model else {"image_size": [3, 64, 64]}
-    b = build(parse_request({"model": model, "input": inp}))
+    b = build_request(parse_request({"model": model, "input": inp}))
     recipe = Recipe(precision=precision)
     fast = [record_training(b.factory, b.batch_factory, b.loss_fn, n, recipe, A100) for n in (3, 5)]
     slow = Shortcuts(batch_norm=False, cache_keys=False)

@@ -8,7 +8,7 @@ import json
 import pytest
 from golden import DETAILS, PATH, REQUESTS, answers
 
-TIER = "zoo"
+pytestmark = pytest.mark.zoo
 
 RECORDED = json.loads(PATH.read_text())
 RECORDED_DETAILS = json.loads(DETAILS.read_text())

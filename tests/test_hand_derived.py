@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from estimator.gpus import get_gpu
-from estimator.request.recipe import Recipe
+from estimator.simulate.recipe import Recipe
 from estimator.simulate.record import record_training
 from estimator.testing.zoo import ZOO
 
-TIER = "sim"
+pytestmark = pytest.mark.sim
 
 
 def totals(trace, iteration=None):

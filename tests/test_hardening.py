@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from app.main import create_app
 from app.settings import Settings
 
-TIER = "service"
+pytestmark = pytest.mark.service
 
 PROBLEM = "application/problem+json"
 SMALL = {"model": {"source": "torchvision", "name": "resnet18"}, "gpus": ["T4-16GB"]}

@@ -30,7 +30,7 @@ from app.ready import wait_ready
 from app.settings import Settings
 from estimator import EstimateRequest, EstimateResponse
 
-TIER = "service"
+pytestmark = pytest.mark.service
 
 PROBLEM = "application/problem+json"
 SMALL = {"model": {"source": "torchvision", "name": "resnet18"}, "gpus": ["T4-16GB"],

@@ -15,13 +15,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from support import build_request
 
 from estimator.errors import SpecError
 from estimator.gpus import CATALOG
-from estimator.models import build
-from estimator.request.spec import EstimateRequest, parse_request
+from estimator.request.parse import parse_request
+from estimator.request.spec import EstimateRequest
 
-TIER = "unit"
+pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,12 +72,12 @@ def test_d2_the_builder_refuses_too_and_reads_nothing(tmp_path) -> None:
                            "model.config.model_args.checkpoint_path")):
         request = EstimateRequest.model_validate(_wrapper(**fields))
         with pytest.raises(SpecError) as info:  # main: built from the folder's config.json; torch.load-ed the file
-            build(request)
+            build_request(request)
         assert info.value.field == field
 
 
 def test_timm_wrapper_with_a_registry_name_still_builds() -> None:
-    built = build(parse_request(_wrapper(architecture="resnet18", model_args={"drop_path_rate": 0.1})))
+    built = build_request(parse_request(_wrapper(architecture="resnet18", model_args={"drop_path_rate": 0.1})))
     # timm resnet18 without its head (num_classes=0): 11,176,512; transformers' head Linear(512, 2): 1,026
     assert (built.name, built.parameter_count) == ("transformers:timm_wrapper", 11_176_512 + 512 * 2 + 2)
 
@@ -135,14 +136,14 @@ def test_nested_model_types_are_checked_against_transformers() -> None:
     request = EstimateRequest.model_validate(_hf({"model_type": "encoder-decoder", "encoder": {"model_type": "bertt"},
                                                   "decoder": {"model_type": "gpt2"}}, "seq2seq-lm"))
     with pytest.raises(SpecError) as info:
-        build(request)
+        build_request(request)
     assert info.value.field == "model.config.encoder.model_type" and "did you mean bert" in info.value.expected
 
 
 def test_an_empty_nested_model_type_names_nothing() -> None:
     """A sub-config class that is no registered type saves model_type "" (nemo_speechlm's diarization
     head_config); its parent builds it from its own class, so "" passes below the top, and only there."""
-    from estimator.request.allowed import check_config
+    from estimator.models.allowed import check_config
 
     known = {"gpt2", "nemo_speechlm"}
     nested = {"model_type": "nemo_speechlm", "audio_config": {"head_config": {"model_type": ""}}}
@@ -179,7 +180,7 @@ def test_a_kwarg_outside_the_allow_list_is_refused_by_name(source, name, kwargs,
     err = _refused(request)
     assert err.field == f"model.kwargs.{key}" and expected in err.expected, str(err)
     with pytest.raises(SpecError) as info:  # the builder, for a request that skipped check_request
-        build(EstimateRequest.model_validate(request))
+        build_request(EstimateRequest.model_validate(request))
     assert info.value.field == f"model.kwargs.{key}"
 
 
@@ -197,7 +198,7 @@ def test_a_kwarg_outside_the_allow_list_is_refused_by_name(source, name, kwargs,
                           "pretrained_cfg_overlay": None, "cache_dir": None}),
 ])
 def test_kwargs_that_shape_the_model_still_build(source, name, kwargs) -> None:
-    built = build(parse_request({"model": {"source": source, "name": name, "kwargs": kwargs}}))
+    built = build_request(parse_request({"model": {"source": source, "name": name, "kwargs": kwargs}}))
     assert built.parameter_count > 0
 
 
@@ -207,7 +208,7 @@ def test_every_allowed_kwarg_is_a_constructor_argument_of_its_source() -> None:
     import torch.nn as nn
     import torchvision.models as tvm
 
-    from estimator.request.allowed import NO_DOWNLOAD, TIMM_KWARGS, TORCHVISION_KWARGS
+    from estimator.models.allowed import NO_DOWNLOAD, TIMM_KWARGS, TORCHVISION_KWARGS
 
     def parameters(modules) -> set[str]:
         out: set[str] = set()
@@ -258,8 +259,8 @@ def test_legitimate_names_do_not_look_like_paths() -> None:
     import timm
     import torchvision.models as tvm
 
-    from estimator.models.transformers_models import presets
-    from estimator.request.allowed import looks_like_path
+    from estimator.models.allowed import looks_like_path
+    from estimator.models.sources.transformers import presets
 
     def strings(value):
         if isinstance(value, str):
@@ -286,7 +287,7 @@ def test_golden_and_gpu_suite_requests_pass_the_names_check() -> None:
         from golden import REQUESTS
     finally:
         sys.path.remove(str(ROOT / "tests"))
-    from estimator.testing.gpu_cases import CASES
+    from estimator.measure.cases import CASES
 
     for model, inp, training in REQUESTS.values():
         parse_request({"model": model, "input": inp, "training": training})

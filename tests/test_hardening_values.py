@@ -9,17 +9,16 @@ from __future__ import annotations
 
 import pytest
 from fastapi.testclient import TestClient
+from support import build_request
 
 from app.main import create_app
 from app.settings import Settings
 from estimator import parse_request
 from estimator.errors import SpecError
 from estimator.gpus import MIB, custom_gpu
-from estimator.models import build
-from estimator.models.transformers_models import max_positions
-from estimator.request.limits import MAX_SEQ_LEN
+from estimator.options import MAX_SEQ_LEN
 
-TIER = "unit"
+pytestmark = pytest.mark.unit
 
 PROBLEM = "application/problem+json"
 GPT2 = {"source": "transformers", "preset": "gpt2"}
@@ -27,7 +26,7 @@ GPT2 = {"source": "transformers", "preset": "gpt2"}
 
 def _refused(model: dict, inp: dict | None = None) -> SpecError:
     with pytest.raises(SpecError) as info:
-        build(parse_request({"model": model, "input": inp or {}}))
+        build_request(parse_request({"model": model, "input": inp or {}}))
     return info.value
 
 
@@ -63,7 +62,7 @@ def test_d5_the_message_names_the_key_among_several() -> None:
 
 
 def test_d5_only_values_from_the_request_become_spec_errors() -> None:
-    from estimator.models import given_values
+    from estimator.models.building import given_values
 
     # Nothing given: a constructor's failure is batchfit's or the library's defect, and stays as it is.
     with pytest.raises(ZeroDivisionError), given_values("model.kwargs", {}, "arguments the constructor accepts"):
@@ -111,15 +110,16 @@ def test_r1_a_models_own_input_is_held_to_the_limits(model, field) -> None:
 
 def test_r1_only_the_resolved_input_counts() -> None:
     # 2^30 positions are fine when the request trains 1024 tokens of them
-    built = build(parse_request({"model": {**GPT2, "config": {"n_positions": 2**30}}, "input": {"seq_len": 1024}}))
+    built = build_request(parse_request({"model": {**GPT2, "config": {"n_positions": 2**30}},
+                                         "input": {"seq_len": 1024}}))
     assert built.input == {"seq_len": 1024}
     # and the longest-seq_len search stops at the limit, not at the model's 2^30
-    assert max_positions(parse_request({"model": {**GPT2, "config": {"n_positions": 2**30}}}).model) == MAX_SEQ_LEN
+    assert built.max_seq_len == MAX_SEQ_LEN
 
 
 def test_r1_timm_defaults_follow_the_kwargs_that_shape_the_input() -> None:
     # timm keeps the weights' pretrained_cfg (3x224x224): the default input follows img_size and in_chans
-    built = build(parse_request({"model": {"source": "timm", "name": "vit_tiny_patch16_224",
+    built = build_request(parse_request({"model": {"source": "timm", "name": "vit_tiny_patch16_224",
                                            "kwargs": {"img_size": 256, "in_chans": 1}}}))
     assert built.input == {"image_size": [1, 256, 256]}
 
@@ -202,7 +202,7 @@ def test_r7_this_nodes_own_card_never_shadows_the_catalog(monkeypatch, nvml_name
 
     import torch
 
-    from estimator import validate
+    from estimator.measure import cuda as validate
     from estimator.request.spec import CustomGPUSpec
 
     nvml = types.SimpleNamespace(nvmlInit=lambda: None, nvmlDeviceGetHandleByIndex=lambda i: i,

@@ -9,20 +9,22 @@ context - reserve: the max of the card with its allocator held there.
 from __future__ import annotations
 
 import pytest
+from support import build_request
 
 from estimator.errors import SpecError
 from estimator.gpus import CATALOG, custom_gpu, get_gpu
-from estimator.models import BuiltModel, build
+from estimator.models import BuiltModel
+from estimator.options import DEFAULT_HEADROOM, DEFAULT_RESERVE_BYTES, MAX_BATCH
 from estimator.pipeline import estimate
 from estimator.plan.results import WarningCode
-from estimator.plan.search import DEFAULT_HEADROOM, DEFAULT_RESERVE_BYTES, MAX_BATCH, aligned_within, headroom_capacity
+from estimator.plan.search import aligned_within, headroom_capacity
 from estimator.replay.report import report_from_trace
-from estimator.request.recipe import Recipe
-from estimator.request.spec import parse_request
+from estimator.request.parse import parse_request
+from estimator.simulate.recipe import Recipe
 from estimator.simulate.record import record_training
 from estimator.testing.zoo import ZOO
 
-TIER = "sim"
+pytestmark = pytest.mark.sim
 
 
 def test_headroom_capacity() -> None:
@@ -94,7 +96,7 @@ def test_recommended_is_aligned_and_independently_leaves_the_headroom() -> None:
     request = parse_request({"model": {"source": "torchvision", "name": "resnet18"},
                              "gpus": ["T4-16GB", "A100-40GB"]})
     response = estimate(request)
-    built = build(request)
+    built = build_request(request)
     for r in response.results:
         rec = r.recommended_batch_size
         assert rec % 8 == 0 and rec < r.max_batch_size

@@ -23,12 +23,12 @@ import pytest
 import torch
 
 import estimator
+from estimator.measure.cpu import real_cpu_peak
 from estimator.pipeline import estimate_memory
-from estimator.request.recipe import Recipe
-from estimator.testing.cpu_truth import real_cpu_peak
+from estimator.simulate.recipe import Recipe
 from estimator.testing.zoo import _lm_loss, _tokens
 
-TIER = "sim"
+pytestmark = pytest.mark.sim
 
 LAYERS = 2
 ATTENTION = ("full_attention", "attention", "hybrid", "indexed_attention", "sliding_attention")

@@ -13,17 +13,18 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from support import build_request
 
 from estimator.errors import SpecError
 from estimator.gpus import get_gpu
-from estimator.models import build, tasks
+from estimator.models import tasks
+from estimator.models.allowed import REFUSED_MODEL_TYPES
 from estimator.models.meta import build_on_meta
 from estimator.request.adapt import recipe_of
-from estimator.request.allowed import REFUSED_MODEL_TYPES
-from estimator.request.spec import parse_request
+from estimator.request.parse import parse_request
 from estimator.simulate.record import record_built
 
-TIER = "sim"
+pytestmark = pytest.mark.sim
 
 A100 = get_gpu("A100-80GB")
 
@@ -34,12 +35,12 @@ def _request(config: dict, **inp) -> dict:
 
 
 def _built(config: dict, **inp):
-    return build(parse_request(_request(config, **inp)))
+    return build_request(parse_request(_request(config, **inp)))
 
 
 def _simulates(request: dict) -> None:
     parsed = parse_request(request)
-    built = build(parsed)
+    built = build_request(parsed)
     trace = record_built(built, 2, recipe_of(parsed), A100)
     assert trace.events and not built.worst_case  # a step was recorded, from the batch's own values
 
@@ -137,7 +138,7 @@ def test_siglip2_simulates() -> None:
 
 def test_a_timm_feature_encoder_is_refused() -> None:
     with pytest.raises(SpecError) as err:
-        build(parse_request({"model": {"source": "timm", "name": "mobilenetv5_300m_enc"}}))
+        build_request(parse_request({"model": {"source": "timm", "name": "mobilenetv5_300m_enc"}}))
     assert err.value.field == "model.name" and "feature encoder" in err.value.expected
     assert "mobilenetv5_300m with model.kwargs num_classes" in err.value.expected
 
@@ -145,7 +146,7 @@ def test_a_timm_feature_encoder_is_refused() -> None:
 @pytest.mark.skipif("dinat" not in REFUSED_MODEL_TYPES, reason="natten is installed here")
 def test_dinat_without_natten_is_refused_by_name() -> None:
     with pytest.raises(SpecError) as err:
-        build(parse_request(_request({"model_type": "dinat"})))
+        build_request(parse_request(_request({"model_type": "dinat"})))
     assert err.value.field == "model.config.model_type" and "natten" in err.value.expected
 
 

@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient
 from app.main import create_app
 from app.settings import Settings
 
-TIER = "service"
+pytestmark = pytest.mark.service
 BODIES = Path(__file__).parent / "k8s"
 RESERVE = 256 * 2**20  # planner.reserve_bytes' default (docs/API.md)
 

@@ -27,7 +27,7 @@ from app.settings import Settings
 from estimator import parse_request
 from estimator.gpus import CATALOG
 
-TIER = "unit"
+pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
@@ -424,7 +424,7 @@ def test_example_pod_is_a_valid_request_for_its_gpu() -> None:
     request = parse_request({**spec, "gpus": ["A100-80GB"]})
     assert request.model.source == "transformers" and request.planner.target_global_batch == 256
     # parse_request leaves the preset to the model builder: it must be one batchfit ships
-    from estimator.models.transformers_models import presets  # imports torch: here only
+    from estimator.models.sources.transformers import presets  # imports torch: here only
 
     assert request.model.preset in presets()
     batch = annotations["batchfit.io/batch-size"]

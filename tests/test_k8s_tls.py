@@ -28,9 +28,9 @@ import pytest
 import trustme
 from cryptography.hazmat.primitives import serialization
 
-from estimator.cli import main
+from estimator.cli.main import main
 
-TIER = "service"
+pytestmark = pytest.mark.service
 
 ROOT = Path(__file__).resolve().parents[1]  # the checkout this test file is in: the code the server runs
 READY_S = 120.0  # the workers import torch before the service listens

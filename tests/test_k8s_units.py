@@ -13,7 +13,7 @@ from app.k8s.webhook import patch_ops
 from estimator.errors import SpecError, UnknownGPUError
 from estimator.gpus import CATALOG, MIB, catalog, custom_name_problem, find_gpu, get_gpu
 
-TIER = "unit"
+pytestmark = pytest.mark.unit
 
 
 @pytest.mark.parametrize("label, card", [

@@ -14,18 +14,18 @@ import json
 import pytest
 import torch
 import torchvision.models as tvm
+from support import build_request
 
 from estimator.errors import BatchTooSmallError
 from estimator.gpus import get_gpu
-from estimator.models import build
 from estimator.models.meta import build_on_meta
-from estimator.models.transformers_models import AUTO_CLASSES, presets
+from estimator.models.sources.transformers.build import AUTO_CLASSES, presets
 from estimator.replay.report import report_from_trace
-from estimator.request.recipe import Recipe
-from estimator.request.spec import parse_request
+from estimator.request.parse import parse_request
+from estimator.simulate.recipe import Recipe
 from estimator.simulate.record import record_training
 
-TIER = "zoo"
+pytestmark = pytest.mark.zoo
 
 A100 = get_gpu("A100-80GB")
 BLOCK = 512  # the caching allocator rounds every request up to 512 B ...
@@ -69,7 +69,7 @@ def _request(model: dict, **inp) -> dict:
 
 @pytest.mark.parametrize("name", tvm.list_models(module=tvm))
 def test_torchvision_classification(name: str) -> None:
-    built = build(parse_request(_request({"source": "torchvision", "name": name})))
+    built = build_request(parse_request(_request({"source": "torchvision", "name": name})))
     kwargs = {"init_weights": False} if name in ("googlenet", "inception_v3") else {}
     real = tvm.get_model(name, weights=None, **kwargs)
     assert built.parameter_count == sum(p.numel() for p in real.parameters())
@@ -79,7 +79,7 @@ def test_torchvision_classification(name: str) -> None:
 
 @pytest.mark.parametrize("name", tvm.list_models(module=tvm.segmentation) + tvm.list_models(module=tvm.video))
 def test_torchvision_segmentation_and_video(name: str) -> None:
-    built = build(parse_request(_request({"source": "torchvision", "name": name})))
+    built = build_request(parse_request(_request({"source": "torchvision", "name": name})))
     extra = {"weights_backbone": None} if name in tvm.list_models(module=tvm.segmentation) else {}
     real = tvm.get_model(name, weights=None, **extra)
     assert built.parameter_count == sum(p.numel() for p in real.parameters())
@@ -89,7 +89,7 @@ def test_torchvision_segmentation_and_video(name: str) -> None:
 
 @pytest.mark.parametrize("name", tvm.list_models(module=tvm.detection))
 def test_torchvision_detection(name: str) -> None:
-    built = build(parse_request(_request({"source": "torchvision", "name": name})))
+    built = build_request(parse_request(_request({"source": "torchvision", "name": name})))
     assert built.worst_case  # proposals and NMS survivors at their maximum: an upper bound
     real = tvm.get_model(name, weights=None, weights_backbone=None)
     assert built.parameter_count == sum(p.numel() for p in real.parameters())
@@ -100,7 +100,7 @@ def test_torchvision_detection(name: str) -> None:
 def test_detection_samplers_keep_their_size() -> None:
     """Faster R-CNN samples 512 proposals per image for the box head: a mask with at most
     512 ones, which the worst-case policy counts instead of taking all ~2000 proposals."""
-    built = build(parse_request(_request({"source": "torchvision", "name": "fasterrcnn_resnet50_fpn"},
+    built = build_request(parse_request(_request({"source": "torchvision", "name": "fasterrcnn_resnet50_fpn"},
                                          image_size=[3, 800, 800])))
     trace = record_training(built.factory, built.batch_factory, built.loss_fn, 2, Recipe(), A100, worst_case=True)
     pooled = [a.nbytes for a in trace.allocations if a.op == "roi_align" and a.phase == "forward"]
@@ -138,7 +138,7 @@ TIMM = [
 def test_timm(name: str) -> None:
     import timm
 
-    built = build(parse_request(_request({"source": "timm", "name": name})))
+    built = build_request(parse_request(_request({"source": "timm", "name": name})))
     real = timm.create_model(name, pretrained=False)
     assert built.parameter_count == sum(p.numel() for p in real.parameters())
     del real
@@ -198,7 +198,7 @@ def test_every_required_preset_is_shipped() -> None:
 @pytest.mark.parametrize("preset", sorted(presets()))
 def test_preset(preset: str) -> None:
     inp = {} if preset.startswith("vit") else {"seq_len": 64}
-    built = build(parse_request(_request({"source": "transformers", "preset": preset}, **inp)))
+    built = build_request(parse_request(_request({"source": "transformers", "preset": preset}, **inp)))
     arch = presets()[preset]["architectures"][0]
     task = next(t for suffix, t in (("ForCausalLM", "causal-lm"), ("LMHeadModel", "causal-lm"),
                                     ("ForMaskedLM", "masked-lm"), ("ForConditionalGeneration", "seq2seq-lm"),
@@ -215,15 +215,17 @@ def test_preset(preset: str) -> None:
     ("roberta-base", "masked-lm"),
 ])
 def test_preset_tasks(preset: str, task: str) -> None:
-    built = build(parse_request(_request({"source": "transformers", "preset": preset, "task": task}, seq_len=32)))
+    built = build_request(parse_request(_request({"source": "transformers", "preset": preset, "task": task},
+                                                 seq_len=32)))
     assert built.parameter_count == _real_count(preset, task)
     simulate_batch_1(built)
 
 
 def test_inline_config_overrides_a_preset_and_stands_alone() -> None:
     small = {"n_layer": 2, "n_embd": 128, "n_head": 4}
-    over = build(parse_request(_request({"source": "transformers", "preset": "gpt2", "config": small}, seq_len=16)))
-    alone = build(parse_request(_request(
+    over = build_request(parse_request(_request({"source": "transformers", "preset": "gpt2", "config": small},
+                                                seq_len=16)))
+    alone = build_request(parse_request(_request(
         {"source": "transformers", "config": {"model_type": "gpt2", **small}, "task": "causal-lm"}, seq_len=16)))
     # gpt2 with 2 layers of 128: wte 50257*128 6,432,896 + wpe 1024*128 131,072
     #   + per layer (ln 2*256 + attn 128*384+384 + 128*128+128 + mlp 128*512+512 + 512*128+128) 2*198,272
@@ -234,7 +236,7 @@ def test_inline_config_overrides_a_preset_and_stands_alone() -> None:
 
 def test_attn_implementation_selects_the_kernel() -> None:
     def peak(attn: str) -> int:
-        built = build(parse_request(_request(
+        built = build_request(parse_request(_request(
             {"source": "transformers", "preset": "gpt2", "config": {"n_layer": 2}, "attn_implementation": attn},
             seq_len=512)))
         trace = record_training(built.factory, built.batch_factory, built.loss_fn, 4, Recipe(), A100)

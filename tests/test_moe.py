@@ -11,16 +11,16 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from support import build_request
 
 from estimator.errors import SpecError
 from estimator.gpus import get_gpu
-from estimator.models import build
 from estimator.pipeline import estimate
-from estimator.request.recipe import Recipe
-from estimator.request.spec import parse_request
+from estimator.request.parse import parse_request
+from estimator.simulate.recipe import Recipe
 from estimator.simulate.record import record_training
 
-TIER = "sim"
+pytestmark = pytest.mark.sim
 
 A100 = get_gpu("A100-40GB")
 MIXTRAL = {"model_type": "mixtral", "num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 128,
@@ -38,8 +38,9 @@ def _request(config: dict[str, Any], seq_len: int = S, gpu: str = "A100-40GB", *
 
 def _forward(impl: str, routing: str) -> list[tuple[str, int]]:
     """(op, bytes) of each allocation the experts module makes in the first forward, batch 1, fp32."""
-    built = build(_request(MIXTRAL, experts_implementation=impl, moe_routing=routing))
-    trace = record_training(built.factory, built.batch_factory, built.loss_fn, 1, Recipe(), A100)
+    built = build_request(_request(MIXTRAL, experts_implementation=impl, moe_routing=routing))
+    trace = record_training(built.factory, built.batch_factory, built.loss_fn, 1, Recipe(), A100,
+                            routing=built.moe_routing)
     return [(a.op, a.nbytes) for a in trace.allocations
             if a.iteration == 0 and a.phase == "forward" and a.module.startswith(EXPERTS)]
 
@@ -99,7 +100,7 @@ def test_grouped_mm_buffers_do_not_depend_on_routing() -> None:
 
 
 def test_routing_and_experts_kernel_are_in_the_assumptions() -> None:
-    assert [a for a in build(_request(MIXTRAL)).assumptions if "expert" in a] == [
+    assert [a for a in build_request(_request(MIXTRAL)).assumptions if "expert" in a] == [
         "experts: grouped_mm (transformers' default for MixtralForCausalLM, 1 MoE layer)",
         "moe_routing: balanced (2 of 4 experts per token, tokens x 2 / 4 per expert; the buffers' sizes do not "
         "depend on routing, only the offsets' values)"]
@@ -154,8 +155,9 @@ JETMOE = {"model_type": "jetmoe", "num_hidden_layers": 1, "hidden_size": H, "int
 
 def _jetmoe_expert_rows(routing: str) -> list[int]:
     """Rows of each expert's input projection in the MoE MLP (its F.linear output: rows x 2 I fp32)."""
-    built = build(_request(JETMOE, moe_routing=routing))
-    trace = record_training(built.factory, built.batch_factory, built.loss_fn, 1, Recipe(), A100)
+    built = build_request(_request(JETMOE, moe_routing=routing))
+    trace = record_training(built.factory, built.batch_factory, built.loss_fn, 1, Recipe(), A100,
+                            routing=built.moe_routing)
     return [a.nbytes // (2 * INTER * F32) for a in trace.allocations
             if a.iteration == 0 and a.phase == "forward" and a.module == "model.layers.0.mlp.input_linear"
             and a.op == "mm"]
@@ -172,7 +174,7 @@ def test_jetmoe_split_sizes_follow_worst_case_routing() -> None:
 
 
 def test_jetmoe_routing_is_in_the_assumptions() -> None:
-    assert [a for a in build(_request(JETMOE)).assumptions if "expert" in a] == [
+    assert [a for a in build_request(_request(JETMOE)).assumptions if "expert" in a] == [
         "moe_routing: balanced (2 of 4 experts per token, tokens x 2 / 4 per expert; JetMoeTopKGating's split "
         "sizes, 2 gates)"]
 
@@ -191,8 +193,9 @@ def _switch_nonzero_rows(routing: str) -> list[int]:
     """Rows of each nonzero in the encoder's sparse MLP: first the experts hit, then each expert's tokens."""
     request = parse_request({"model": {"source": "transformers", "config": SWITCH, "task": "seq2seq-lm",
                                        "moe_routing": routing}, "input": {"seq_len": S}, "gpus": ["A100-40GB"]})
-    built = build(request)
-    trace = record_training(built.factory, built.batch_factory, built.loss_fn, 2, Recipe(), A100)
+    built = build_request(request)
+    trace = record_training(built.factory, built.batch_factory, built.loss_fn, 2, Recipe(), A100,
+                            routing=built.moe_routing)
     found = [a for a in trace.allocations if a.iteration == 0 and a.phase == "forward"
              and a.module == SWITCH_EXPERTS and a.op == "nonzero"]
     return [found[0].nbytes // LONG] + [a.nbytes // (2 * LONG) for a in found[1:]]

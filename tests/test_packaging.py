@@ -27,7 +27,7 @@ import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-TIER = "unit"
+pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
@@ -106,7 +106,7 @@ def test_each_extra_holds_what_its_part_imports() -> None:
     assert "-e '.[test]'" in makefile
     for tool in ("ruff", "mypy"):
         assert tool not in makefile or tool in _names(extras["test"]), tool
-    assert PROJECT["scripts"]["batchfit"] == "estimator.cli:main"
+    assert PROJECT["scripts"]["batchfit"] == "estimator.cli.main:main"
 
 
 def _imports(path: Path, top_level_only: bool) -> set[str]:
@@ -182,7 +182,7 @@ def test_importing_the_library_loads_no_service_plot_or_gpu_package() -> None:
     out = _json(_python(f"""
 import json
 names = {EXTRA_MODULES!r}
-import estimator, estimator.cli, estimator.plot, estimator.validate
+import estimator, estimator.cli, estimator.cli.plot, estimator.measure.cuda
 before_torch = [n for n in names if n in sys.modules]
 torch_loaded = "torch" in sys.modules
 import estimator.pipeline
@@ -204,10 +204,10 @@ import json
 import torch
 import torch.nn.functional as F
 from estimator import estimate_memory
-from estimator.cli import main
+from estimator.cli.main import main
 from estimator.errors import MissingExtraError
-from estimator.plot import draw_timeline
-from estimator.validate import local_card
+from estimator.cli.plot import draw_timeline
+from estimator.measure.cuda import local_card
 
 report = estimate_memory(lambda: torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)),
                          lambda b, dev: (torch.empty(b, 8, device=dev), torch.zeros(b, dtype=torch.long, device=dev)),
@@ -229,12 +229,12 @@ print(json.dumps({"peak": report.device_peak_bytes, "gpus": main(["gpus"]), "err
 
 def test_serve_without_the_service_extra_says_which_extra() -> None:
     for missing in ("uvicorn", "fastapi", "pydantic_settings", "prometheus_client"):
-        proc = _python("from estimator.cli import main\nsys.exit(main(['serve']))", blocked=(missing,))
+        proc = _python("from estimator.cli.main import main\nsys.exit(main(['serve']))", blocked=(missing,))
         assert proc.returncode == 3, (missing, proc.stderr[-2000:])
         assert "error: batchfit serve needs the service extra: pip install 'batchfit[service]'" in proc.stderr
         assert missing in proc.stderr and "Traceback" not in proc.stderr
     # a module of our own that fails to import is a defect, not a missing extra
-    proc = _python("from estimator.cli import main\nsys.exit(main(['serve']))", blocked=("app.routes",))
+    proc = _python("from estimator.cli.main import main\nsys.exit(main(['serve']))", blocked=("app.routes",))
     assert proc.returncode == 1 and "ModuleNotFoundError" in proc.stderr and "batchfit[service]" not in proc.stderr
 
 
@@ -269,7 +269,7 @@ def test_every_launcher_uses_the_factory() -> None:
     stale = [str(p.relative_to(ROOT)) for p in files if p.resolve() != here and p.is_file()
              and old.search(p.read_text(errors="replace"))]
     assert not stale, f"still start the service as app.main:app: {stale}"
-    cli = (ROOT / "estimator" / "cli.py").read_text()
+    cli = (ROOT / "estimator" / "cli" / "main.py").read_text()
     assert 'uvicorn.run("app.main:create_app", factory=True' in cli
     readme = (ROOT / "README.md").read_text()
     assert "uvicorn --factory app.main:create_app" in readme and "pip install 'batchfit[service]'" in readme
@@ -351,10 +351,11 @@ def test_dockerignore_keeps_out_what_the_image_does_not_need() -> None:
     lines = (ROOT / ".dockerignore").read_text().splitlines()
     patterns = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
     for path in (".git/HEAD", ".venv/bin/python", "tests/test_service.py", "bench/load.py",
-                 "estimator/__pycache__/cli.cpython-311.pyc", ".batchfit-cache.sqlite", "step.png",
+                 "estimator/cli/__pycache__/main.cpython-311.pyc", ".batchfit-cache.sqlite", "step.png",
                  ".hypothesis/examples/x", "batchfit.egg-info/PKG-INFO"):
         assert _dockerignored(path, patterns), path
-    needed = ["pyproject.toml", "README.md", "estimator/cli.py", "estimator/models/presets/bert-base-uncased.json",
+    needed = ["pyproject.toml", "README.md", "estimator/cli/main.py",
+              "estimator/models/sources/transformers/presets/bert-base-uncased.json",
               "app/main.py"]
     needed += [a.split()[0] for k, a in _instructions() if k == "COPY"]
     for path in needed:

@@ -9,21 +9,23 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from support import build_request
 
 from estimator.gpus import MIB, custom_gpu, get_gpu
-from estimator.models import BuiltModel, build
+from estimator.models import BuiltModel
+from estimator.options import DEFAULT_HEADROOM, DEFAULT_RESERVE_BYTES
 from estimator.pipeline import estimate
 from estimator.plan.affine import fit
 from estimator.plan.results import Search, SearchMethod, WarningCode
-from estimator.plan.search import DEFAULT_HEADROOM, DEFAULT_RESERVE_BYTES, headroom_capacity, recommended
+from estimator.plan.search import headroom_capacity, recommended
 from estimator.replay.report import report_from_trace
-from estimator.request.recipe import Recipe
-from estimator.request.spec import parse_request
+from estimator.request.parse import parse_request
+from estimator.simulate.recipe import Recipe
 from estimator.simulate.record import record_training
-from estimator.sources import Simulator
+from estimator.simulate.source import Simulator
 from estimator.testing.zoo import ZOO
 
-TIER = "sim"
+pytestmark = pytest.mark.sim
 
 A100 = get_gpu("A100-80GB")
 T4 = get_gpu("T4-16GB")
@@ -106,7 +108,7 @@ def test_max_fits_and_max_plus_one_does_not(model, inp) -> None:
     request = parse_request({"model": model, "input": inp, "gpus": ["T4-16GB", "A100-40GB"],
                              "training": {"precision": "amp-bf16" if "preset" in model else "fp32"}})
     response = estimate(request)
-    built = build(request)
+    built = build_request(request)
     recipe = Recipe(precision=request.training.precision)
     for result in response.results:
         card = get_gpu(result.gpu)

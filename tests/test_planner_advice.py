@@ -6,19 +6,19 @@ from __future__ import annotations
 import json
 
 import pytest
+from support import build_request
 
 from estimator.errors import SpecError
 from estimator.gpus import get_gpu
-from estimator.models import build
 from estimator.pipeline import estimate, estimate_from_profile, make_profile
 from estimator.plan.advice import AccumulationPlan, accumulation_plan, curve_batches, lr_advice, step_seconds
-from estimator.portable import PortableProfile
+from estimator.portable.profile import PortableProfile
 from estimator.replay.report import report_from_trace
-from estimator.request.recipe import Recipe
-from estimator.request.spec import parse_request
+from estimator.request.parse import parse_request
+from estimator.simulate.recipe import Recipe
 from estimator.simulate.record import record_training
 
-TIER = "sim"
+pytestmark = pytest.mark.sim
 
 SMALL_GPT2 = {"source": "transformers", "preset": "gpt2", "config": {"n_layer": 2}}
 
@@ -113,7 +113,7 @@ def test_profile_answers_like_the_spec(tmp_path) -> None:
 
 def test_cli_profile_estimate_and_plot(tmp_path, capsys) -> None:
     """The CLI in-process (estimator.cli.main): a profile answers like the spec, and draws the step."""
-    from estimator.cli import main
+    from estimator.cli.main import main
 
     spec = tmp_path / "req.json"
     spec.write_text(json.dumps({"model": SMALL_GPT2, "input": {"seq_len": 64}, "gpus": ["T4-16GB"]}))
@@ -146,7 +146,7 @@ def test_max_seq_len_fits_and_one_more_does_not() -> None:
 
     def fits(seq: int) -> bool:
         req = parse_request({"model": SMALL_GPT2, "input": {"seq_len": seq}})
-        b = build(req)
+        b = build_request(req)
         trace = record_training(b.factory, b.batch_factory, b.loss_fn, 4, Recipe(), gpu)
         return report_from_trace(trace, 4, gpu, reserve_bytes=request.planner.reserve_bytes).fits
     assert fits(r.max_seq_len) and not fits(r.max_seq_len + 1)

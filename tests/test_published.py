@@ -35,9 +35,9 @@ import torch.nn.functional as F
 from estimator.gpus import MIB, get_gpu
 from estimator.pipeline import estimate_memory
 from estimator.replay.allocator import round_size
-from estimator.request.recipe import Recipe
+from estimator.simulate.recipe import Recipe
 
-TIER = "zoo"
+pytestmark = pytest.mark.zoo
 
 
 def bert_large():

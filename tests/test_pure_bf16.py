@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support import build_request
 
 from estimator.gpus import get_gpu
-from estimator.models import build
 from estimator.pipeline import estimate
 from estimator.request.adapt import recipe_of
-from estimator.request.spec import parse_request
+from estimator.request.parse import parse_request
 from estimator.simulate.record import record_training
 
-TIER = "sim"
+pytestmark = pytest.mark.sim
 
 BATCH = 2
 QUICK = {"confirm": "none", "curve_points": 0}
@@ -61,7 +61,7 @@ def _request(case: str):
 @pytest.mark.parametrize("case", list(CASES))
 def test_pure_bf16_simulates_with_bf16_weights_and_inputs(case: str) -> None:
     request = _request(case)
-    built = build(request)
+    built = build_request(request)
     trace = record_training(built.factory, built.batch_factory, built.loss_fn, BATCH, recipe_of(request),
                             get_gpu("A100-40GB"), worst_case=built.worst_case)
     params = [a for a in trace.allocations if a.category == "parameter"]
@@ -102,7 +102,7 @@ def test_pure_bf16_holds_fewer_bytes_than_fp32() -> None:
 
 
 def test_forward_inputs_keeps_integers_and_named_positions() -> None:
-    from estimator.request.recipe import Recipe
+    from estimator.simulate.recipe import Recipe
 
     x, ids = torch.zeros(2, 3), torch.zeros(2, dtype=torch.long)
     out = Recipe(precision="bf16").forward_inputs((x, {"ids": ids, "boxes": x}), keep=(1,))

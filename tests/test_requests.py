@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 from pydantic import TypeAdapter
 
-from estimator.cli import main
+from estimator.cli.main import main
 from estimator.errors import SpecError
 from estimator.gpus import CATALOG
 from estimator.pipeline import estimate
 from estimator.plan.results import EstimateResponse
-from estimator.request.spec import parse_request
+from estimator.request.parse import parse_request
 
-TIER = "unit"
+pytestmark = pytest.mark.unit
 
 TV = {"source": "torchvision", "name": "resnet18"}
 
@@ -214,8 +214,8 @@ def test_every_task_of_the_schema_has_a_transformers_head() -> None:
     """The Task vocabulary (request/spec.py) and the Auto classes that build each head name the same tasks."""
     from typing import get_args
 
-    from estimator.models.transformers_models import AUTO_CLASSES
-    from estimator.request.spec import Task
+    from estimator.models.sources.transformers import Task
+    from estimator.models.sources.transformers.build import AUTO_CLASSES
 
     assert set(AUTO_CLASSES) == set(get_args(Task))
 
@@ -224,17 +224,17 @@ def test_a_sub_models_task_class_is_built_from_its_sub_config() -> None:
     """musicgen's causal LM is its decoder (MusicgenForCausalLM takes the decoder sub-config, which no auto
     mapping holds); an encoder-decoder without a pad id (which shifting the labels right needs) takes its
     decoder's. Both say so among the assumptions."""
-    from estimator.models import build
+    from support import build_request
 
     small = {"num_hidden_layers": 1, "hidden_size": 64, "num_attention_heads": 2, "ffn_dim": 128}
-    built = build(parse_request(_req({"source": "transformers", "task": "causal-lm",
+    built = build_request(parse_request(_req({"source": "transformers", "task": "causal-lm",
                                       "config": {"model_type": "musicgen", "decoder": small}})))
     model = built.factory()
     assert type(model).__name__ == "MusicgenForCausalLM" and model.config.hidden_size == 64
     assert "MusicgenForCausalLM is built from the config's decoder" in built.assumptions
     bert = {"model_type": "bert", "num_hidden_layers": 1, "hidden_size": 64, "num_attention_heads": 2,
             "intermediate_size": 128, "pad_token_id": 3}
-    built = build(parse_request(_req({"source": "transformers", "task": "seq2seq-lm", "config": {
+    built = build_request(parse_request(_req({"source": "transformers", "task": "seq2seq-lm", "config": {
         "model_type": "encoder-decoder", "encoder": bert, "decoder": {**bert, "is_decoder": True},
         "decoder_start_token_id": 0}})))
     assert built.factory().config.pad_token_id == 3

@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from estimator.pipeline import estimate_memory
-from estimator.request.recipe import Recipe
+from estimator.simulate.recipe import Recipe
 from estimator.simulate.virtual_gpu.cudnn_rnn import (
     DROPOUT_STATE_BYTES,
     GRU,
@@ -19,7 +19,7 @@ from estimator.simulate.virtual_gpu.cudnn_rnn import (
 )
 from estimator.testing.zoo import ZOO
 
-TIER = "sim"
+pytestmark = pytest.mark.sim
 
 T, B, IN, H, L = 16, 8, 32, 64, 2  # the hand-derived LSTM: seq 16, batch 8, input 32, hidden 64, 2 layers, fp32
 F32 = 4

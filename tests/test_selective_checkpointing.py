@@ -16,17 +16,17 @@ import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 
 from estimator.errors import SpecError
+from estimator.measure.cpu import real_cpu_peak
 from estimator.pipeline import estimate_memory
 from estimator.replay.report import MemoryReport
 from estimator.request.adapt import recipe_of
-from estimator.request.recipe import Recipe
-from estimator.request.spec import parse_request
+from estimator.request.parse import parse_request
 from estimator.simulate.checkpointing import _op_name, enable_checkpointing, sac_save_ops, selective_policy
-from estimator.testing.cpu_truth import real_cpu_peak
+from estimator.simulate.recipe import Recipe
 from estimator.testing.zoo import ZOO
 from estimator.trace import Category, Phase, Trace
 
-TIER = "sim"
+pytestmark = pytest.mark.sim
 
 MODES: tuple[bool | str, ...] = (False, "selective", True)
 # At batch 4 the step's peak is the weights, gradients and Adam states (selective and full

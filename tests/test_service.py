@@ -12,7 +12,7 @@ from app.main import create_app
 from app.settings import Settings
 from estimator.gpus import CATALOG
 
-TIER = "service"
+pytestmark = pytest.mark.service
 
 SMALL = {"model": {"source": "torchvision", "name": "resnet18"}, "gpus": ["T4-16GB"],
          "planner": {"confirm": "none", "curve_points": 0}}

@@ -26,7 +26,7 @@ from app.ready import wait_ready
 from app.settings import Settings
 from estimator import EstimateResponse
 
-TIER = "service"
+pytestmark = pytest.mark.service
 
 ESTIMATE_EXAMPLES = 520
 CHECKS = [checks.not_a_server_error, checks.status_code_conformance, checks.content_type_conformance,

@@ -10,7 +10,7 @@ import pytest
 from app.shape import MAX_BODY_DEPTH, MAX_ITEMS, MAX_NUMBER_CHARS, check_shape
 from estimator.errors import SpecError
 
-TIER = "unit"
+pytestmark = pytest.mark.unit
 
 
 def test_a_real_request_passes() -> None:

@@ -8,16 +8,16 @@ from typing import Any
 
 import pytest
 import torch
+from support import build_request
 
 from estimator.errors import SpecError
 from estimator.gpus import get_gpu
-from estimator.models import build
-from estimator.request.recipe import Recipe
-from estimator.request.spec import parse_request
+from estimator.request.parse import parse_request
+from estimator.simulate.recipe import Recipe
 from estimator.simulate.record import record_built
 from estimator.testing import coverage
 
-TIER = "sim"
+pytestmark = pytest.mark.sim
 
 S = 16
 A100 = get_gpu("A100-40GB")
@@ -38,7 +38,7 @@ PERCEIVER = {"model_type": "perceiver", "num_latents": 16, "d_latents": 64, "d_m
 
 
 def _built(config: dict[str, Any], task: str, **inp: Any) -> Any:
-    return build(parse_request({"model": {"source": "transformers", "config": config, "task": task},
+    return build_request(parse_request({"model": {"source": "transformers", "config": config, "task": task},
                                 "input": {"seq_len": S, **inp}, "gpus": ["A100-40GB"]}))
 
 
@@ -134,7 +134,7 @@ def test_perceiver_labels_are_as_long_as_its_decoder() -> None:
 @pytest.mark.parametrize("model_type", ["gemma4_assistant", "gemma4_unified_assistant"])
 def test_a_draft_model_without_a_loss_is_the_requests_error(model_type: str) -> None:
     with pytest.raises(SpecError) as err:
-        build(parse_request(coverage.transformers_request("causal-lm", model_type)))
+        build_request(parse_request(coverage.transformers_request("causal-lm", model_type)))
     assert err.value.field == "model.config.model_type" and err.value.value == model_type
     assert "takes no labels and computes no loss" in err.value.expected
     assert "shared_kv_states" in err.value.expected

@@ -15,10 +15,10 @@ from fastapi.testclient import TestClient
 from app.main import create_app
 from app.settings import Settings
 from estimator.errors import NoGPUError
-from estimator.request.spec import parse_request
-from estimator.validate import Measurement, compare, cuda_available, validate
+from estimator.measure.cuda import Measurement, compare, cuda_available, validate
+from estimator.request.parse import parse_request
 
-TIER = "sim"
+pytestmark = pytest.mark.sim
 
 GIB = 2**30
 SMALL = {"model": {"source": "torchvision", "name": "resnet18"}, "gpus": ["T4-16GB"],
@@ -97,7 +97,7 @@ def test_a_real_step_on_this_gpu_meets_the_prediction() -> None:
 
 
 def test_cli_bad_spec_exits_2(tmp_path) -> None:
-    from estimator.cli import main
+    from estimator.cli.main import main
 
     spec = tmp_path / "req.json"
     spec.write_text(json.dumps({"model": {"source": "torchvision", "name": "resnet5"}}))
@@ -118,7 +118,7 @@ def test_gpu_accuracy_harness_on_this_machine() -> None:
 
 
 def test_gpu_accuracy_suite_covers_every_family_and_recipe() -> None:
-    from estimator.testing.gpu_cases import CASES, MAX_BATCH_CASES
+    from estimator.measure.cases import CASES, MAX_BATCH_CASES
 
     assert len(CASES) >= 20 and len(MAX_BATCH_CASES) == 5
     names = " ".join(name for name, _, _ in CASES)

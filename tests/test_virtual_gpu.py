@@ -13,12 +13,12 @@ from torch._subclasses.fake_tensor import FakeTensor
 from estimator.errors import DataDependentError, SimulationError, UnknownGPUError
 from estimator.gpus import get_gpu
 from estimator.pipeline import estimate_memory
-from estimator.request.recipe import Recipe
+from estimator.simulate.recipe import Recipe
 from estimator.simulate.record import record_training
 from estimator.simulate.virtual_gpu import NullObserver, VirtualGPU
 from estimator.testing.zoo import ZOO
 
-TIER = "sim"
+pytestmark = pytest.mark.sim
 
 
 def _torch_state():

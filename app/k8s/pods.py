@@ -21,7 +21,7 @@ from app.k8s.cards import GPU_RESOURCE, PRODUCT, mig_profile_of
 from app.shape import check_shape
 from estimator import EstimateRequest, parse_request
 from estimator.errors import SpecError
-from estimator.request.limits import MAX_BATCH  # docs/API.md, batch_size
+from estimator.options import MAX_BATCH  # docs/API.md, batch_size
 
 SPEC = "batchfit.io/spec"
 BATCH = "batchfit.io/batch-size"

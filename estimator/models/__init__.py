@@ -1,169 +1,73 @@
-"""Model builders: a request's ``model`` and ``input`` -> what the simulator runs.
+"""Model builders: a request's ``model`` and ``input`` sections -> what the simulator runs.
 
 >>> from estimator import parse_request                                          # doctest: +SKIP
->>> built = build(parse_request({"model": {"source": "timm", "name": "resnet18"}}))
+>>> job = job_of(parse_request({"model": {"source": "timm", "name": "resnet18"}}))
+>>> built = build(job.model, job.input)
 >>> built.input, built.parameter_count
 ({'image_size': [3, 224, 224]}, 11689512)
 
-Builders never download weights or configs and never run a model's own
-code from a request: torchvision and timm construct from their registries
-with ``weights=None`` / ``pretrained=False``; transformers models come from
-configs shipped in ``presets/`` or given inline, through the library's own
+Each source (torchvision, timm, transformers, a local factory) is a module
+of ``sources/`` registered in ``registry.py``. Builders never download
+weights or configs and never run a model's own code from a request:
+torchvision and timm construct from their registries with ``weights=None`` /
+``pretrained=False``; transformers models come from configs shipped in
+``sources/transformers/presets/`` or given inline, through the library's own
 classes (``auto_map`` is refused). A local ``package.module:factory`` is
 imported only when the caller allows local code (library, CLI).
+
+Torch-free at import: the builders import their libraries when they build.
 """
 
 from __future__ import annotations
 
-import contextlib
-import difflib
-import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from estimator.models.registry import source_of, sources
 
-from estimator.errors import BatchfitError, SpecError
-from estimator.request.limits import MAX_CHANNELS, MAX_SEQ_LEN, MAX_SIDE, MIN_SIDE
-from estimator.request.spec import EstimateRequest, TimmModel, TorchvisionModel, TransformersModel
+if TYPE_CHECKING:
+    import torch
+
+    from estimator.models.spec import InputSpec
+
+# The workload a training step runs, written once: the simulation, a real CUDA step and a CPU step take these.
+ModelFactory = Callable[[], "torch.nn.Module"]  # called under torch.device("meta") (or on the real device)
+BatchFactory = Callable[[int, "torch.device"], tuple[Any, Any]]  # (batch size, device) -> (inputs, targets)
+LossFn = Callable[[Any, Any], "torch.Tensor"]  # (outputs, targets) -> the scalar loss
 
 
 @dataclass
 class BuiltModel:
-    """What the simulator needs: call ``factory()`` under ``torch.device("meta")``."""
+    """What the simulator needs: call ``factory()`` under ``torch.device("meta")``.
+
+    ``worst_case``: data-dependent sizes at their maximum (detection; set by the simulation when a step turns
+    out to need it). ``moe_routing``: tokens per expert in an eager experts loop (the virtual GPU follows it).
+    ``max_seq_len``: the longest ``input.seq_len`` the model's positions allow (None: no position table).
+    """
 
     name: str
-    factory: Callable[[], torch.nn.Module]
-    batch_factory: Callable[[int, Any], tuple[Any, Any]]
-    loss_fn: Callable[[Any, Any], torch.Tensor]
+    factory: ModelFactory
+    batch_factory: BatchFactory
+    loss_fn: LossFn
     input: dict[str, Any]
     parameter_count: int
     assumptions: list[str] = field(default_factory=list)
-    worst_case: bool = False  # data-dependent sizes at their maximum (detection)
+    worst_case: bool = False
+    moe_routing: str = "balanced"
+    max_seq_len: int | None = None
+
+    def mark_worst_case(self) -> None:
+        """A step of this model turned out to need the worst-case policy: every later simulation uses it."""
+        self.worst_case = True
 
 
-def build(request: EstimateRequest) -> BuiltModel:
-    """Build the request's model on the meta device (checks names, kwargs, input limits)."""
-    model = request.model
-    if isinstance(model, TorchvisionModel):
-        from estimator.models.torchvision_models import build_torchvision
-
-        return build_torchvision(model, request.input)
-    if isinstance(model, TimmModel):
-        from estimator.models.timm_models import build_timm
-
-        return build_timm(model, request.input)
-    if isinstance(model, TransformersModel):
-        from estimator.models.transformers_models import build_transformers
-
-        return build_transformers(model, request.input)
-    from estimator.models.custom import build_custom
-
-    return build_custom(model, request.input)
-
-
-def unknown_name(field_name: str, name: str, known: list[str], what: str) -> SpecError:
-    """A ``SpecError`` for a name not in ``known``, with close matches."""
-    close = difflib.get_close_matches(name.lower(), [k.lower() for k in known], n=3, cutoff=0.6)
-    by_lower = {k.lower(): k for k in known}
-    hint = f" (did you mean {', '.join(by_lower[c] for c in close)}?)" if close else ""
-    return SpecError(field_name, name, f"{what}{hint}")
-
-
-def _value_errors() -> tuple[type[BaseException], ...]:
-    """What constructors raise on a value they cannot use (huggingface_hub's strict configs have their own)."""
-    from huggingface_hub.errors import StrictDataclassError
-
-    return (ArithmeticError, AssertionError, AttributeError, LookupError, RuntimeError, TypeError, ValueError,
-            StrictDataclassError)
-
-
-def _culprit(exc: BaseException, given: Mapping[str, Any]) -> str | None:
-    """The one key of ``given`` to blame: the only one given (the model builds without it), else the only
-    one the message names. The message only narrows the field; the error is a ``SpecError`` either way."""
-    keys = [k for k in given if k != "model_type"]
-    if len(keys) == 1:
-        return keys[0]
-    text = f"{exc} {exc.__cause__ or ''}"
-    named = [k for k in keys if re.search(rf"(?<!\w){re.escape(k)}(?!\w)", text)]
-    return named[0] if len(named) == 1 else None
-
-
-@contextlib.contextmanager
-def given_values(field_name: str, given: Mapping[str, Any] | None, what: str) -> Iterator[None]:
-    """The seam for building from a request's ``config`` or ``kwargs``: a foreign exception raised inside
-    becomes a ``SpecError`` on the most specific field (``model.config.n_head``), its message in ``expected``.
-
-    With nothing given the exception stays as it is: a shipped preset or a registry default that does not
-    build is a defect of batchfit or of the library, not of the request.
-    """
-    try:
-        yield
-    except BatchfitError:
-        raise
-    except _value_errors() as exc:
-        if not given:
-            raise
-        key = _culprit(exc, given)
-        raise SpecError(f"{field_name}.{key}" if key else field_name, given[key] if key else dict(given),
-                        f"{what} ({describe(exc)})") from exc
-
-
-def describe(exc: BaseException, limit: int = 300) -> str:
-    """A foreign exception as one line of at most ``limit`` characters, for a ``SpecError``'s ``expected``."""
-    text = " ".join(f"{type(exc).__name__}: {exc}".split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def probe(factory: Callable[[], torch.nn.Module], field_name: str, given: Mapping[str, Any] | None) -> torch.nn.Module:
-    """Build once on meta so bad ``given`` kwargs or config values fail here, as a ``SpecError``."""
-    from estimator.models.meta import build_on_meta
-
-    with given_values(field_name, given, "arguments the constructor accepts"):
-        model = build_on_meta(factory)
-    if not isinstance(model, torch.nn.Module):
-        raise SpecError(field_name, given, "a factory returning a torch.nn.Module")
-    return model
-
-
-def check_image(c: int, h: int, w: int, channels_from: tuple[str, Any], side_from: tuple[str, Any]) -> None:
-    """A resolved image input within the limits of an explicit ``input.image_size``; a bad value is blamed on
-    the (field, value) that set it, so a model's own default cannot take the input past them."""
-    if not 1 <= c <= MAX_CHANNELS:
-        raise SpecError(*channels_from, f"an input of 1 to {MAX_CHANNELS} channels (the limit on input.image_size)")
-    if not (MIN_SIDE <= h <= MAX_SIDE and MIN_SIDE <= w <= MAX_SIDE):
-        raise SpecError(*side_from, f"an input of {MIN_SIDE} to {MAX_SIDE} px a side "
-                        "(the limit on input.image_size; input.image_size or the model's arguments set it)")
-
-
-def check_seq_len(seq: int, seq_from: tuple[str, Any]) -> None:
-    """A resolved sequence length within the limit of an explicit ``input.seq_len``."""
-    if not 1 <= seq <= MAX_SEQ_LEN:
-        raise SpecError(*seq_from, f"an input of 1 to {MAX_SEQ_LEN} tokens (the limit on input.seq_len; "
-                        "give input.seq_len to train shorter sequences)")
-
-
-def count_parameters(model: torch.nn.Module) -> int:
-    """Unique parameters (tied weights once), as ``sum(p.numel())`` over ``model.parameters()``."""
-    return sum(p.numel() for p in model.parameters())
+def build(model: Any, inp: InputSpec) -> BuiltModel:
+    """Build a request's ``model`` section on the meta device for ``inp`` (checks names, kwargs, input limits)."""
+    built: BuiltModel = source_of(model).build(model, inp)
+    return built
 
 
 def model_sources() -> dict[str, Any]:
     """What each model source offers, as JSON data (``GET /models``)."""
-    from typing import get_args
-
-    import timm
-
-    from estimator.models.torchvision_models import families
-    from estimator.models.transformers_models import presets
-    from estimator.request.spec import AttnImplementation, ExpertsImplementation, MoeRouting, Task
-
-    return {
-        "torchvision": families(),
-        "timm": {"names": timm.list_models()},
-        "transformers": {"presets": sorted(presets()), "tasks": list(get_args(Task)),
-                         "attn_implementation": list(get_args(AttnImplementation)),
-                         "experts_implementation": list(get_args(ExpertsImplementation)),
-                         "moe_routing": list(get_args(MoeRouting))},
-    }
+    return {name: s.listing() for name, s in sources().items() if not s.local_code}

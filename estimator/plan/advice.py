@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated, Protocol
+from typing import TYPE_CHECKING, Annotated
 
 from pydantic import Field
 
 from estimator.gpus import GPU
-from estimator.replay.report import MemoryReport
+from estimator.options import DEFAULT_EFFICIENCY, AdviceOptions
 
-# Model FLOPs utilization a well-tuned training step reaches: PaLM reports 46%
-# (Chowdhery et al. 2022, table 3), GPT-3-style dense training 30-50%
-# (Narayanan et al. 2021); 0.4 unless the caller knows better.
-DEFAULT_EFFICIENCY = 0.4
+if TYPE_CHECKING:
+    from estimator.plan.steps import Steps
+
 
 
 @dataclass(frozen=True)
@@ -101,23 +100,6 @@ def curve_batches(start: int, best: int, points: int = 10) -> list[int]:
 # --- one card's advice ------------------------------------------------------------
 
 @dataclass(frozen=True)
-class AdviceOptions:
-    """The request's wishes for advice (its ``planner`` section, with the optimizer and precision)."""
-
-    optimizer: str
-    low_precision: bool  # bf16 tensor cores (amp or pure bf16) rather than fp32
-    curve_points: int = 10
-    efficiency: float = DEFAULT_EFFICIENCY
-    ranks: int = 1
-    dataset_size: int | None = None
-    max_epoch_seconds: float | None = None
-    target_global_batch: int | None = None
-    base_lr: float | None = None
-    base_batch: int | None = None
-    seq_len: int | None = None
-
-
-@dataclass(frozen=True)
 class CurvePoint:
     batch_size: int
     device_peak_bytes: int
@@ -140,13 +122,7 @@ class Advice:
     learning_rate: LearningRate | None = None
 
 
-class _Source(Protocol):
-    def flops(self, batch: int, gpu: GPU, start: int) -> int: ...
-
-    def report_fast(self, batch: int, gpu: GPU) -> MemoryReport: ...
-
-
-def advise(source: _Source, card: GPU, start: int, best: int | None, rec: int | None,
+def advise(steps: Steps, card: GPU, start: int, best: int | None, rec: int | None,
            options: AdviceOptions) -> Advice:
     """Curve, step and epoch time, accumulation and learning rate for one card's answer."""
     if best is None:
@@ -154,7 +130,7 @@ def advise(source: _Source, card: GPU, start: int, best: int | None, rec: int | 
     peak = card.peak_tflops_bf16 if options.low_precision else card.peak_tflops_fp32
 
     def timing(b: int) -> tuple[float | None, float | None]:
-        step = step_seconds(source.flops(b, card, start), peak, options.efficiency)
+        step = step_seconds(steps.flops(b, card, start), peak, options.efficiency)
         if step is None or options.dataset_size is None:
             return step, None
         return step, -(-options.dataset_size // (b * options.ranks)) * step
@@ -165,7 +141,7 @@ def advise(source: _Source, card: GPU, start: int, best: int | None, rec: int | 
     curve = []
     for b in curve_batches(start, best, options.curve_points) if options.curve_points else []:
         step, epoch = timing(b)
-        curve.append(CurvePoint(b, source.report_fast(b, card).device_peak_bytes, step, epoch, meets(epoch)))
+        curve.append(CurvePoint(b, steps.report(b, card, exact=False).device_peak_bytes, step, epoch, meets(epoch)))
     tokens = best * options.seq_len if options.seq_len is not None else None
     if rec is None:  # step time, accumulation and learning rate are for the recommended batch
         return Advice(curve, max_tokens_per_batch=tokens)

@@ -22,7 +22,7 @@ from functools import cached_property
 from typing import Any
 
 from estimator.replay.allocator import Event
-from estimator.trace import SOFT_CATEGORIES, Category, Trace
+from estimator.trace import SOFT_CATEGORIES, Category, Sized, Trace
 
 SCHEMA_VERSION = 3  # 2: cuDNN workspaces (soft allocations), empty_cache, capability thresholds; 3: streams
 
@@ -48,6 +48,10 @@ class AffineTrace:
     def where(self, k: int) -> tuple[str, str, int]:
         """(phase, module, iteration) of allocation ``k``, as a report names the peak (steady state: 1)."""
         return self.phases[k], self.modules[k], 1
+
+    def sized(self, batch: int, workspace: int) -> Sized:
+        """``Step.sized``: the step at ``batch``."""
+        return self.events, self.sizes_at(batch, workspace), self.categories, self.streams
 
     def sizes_at(self, batch: int, workspace: int) -> list[int]:
         """Each allocation's bytes at ``batch``, the cuBLAS workspace as ``workspace``."""

@@ -10,11 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-MAX_BATCH = 2**20
-# Kept free besides the catalog's CUDA context: published context sizes for
-# one card differ by up to ~200 MiB across drivers and CUDA versions
-# (gpus.py), and the caching allocator cannot use the last partial segment.
-DEFAULT_RESERVE_BYTES = 256 * 2**20
+from estimator.options import MAX_BATCH
+
 # Tensor cores run batches in multiples of 8 best (NVIDIA's "Deep Learning
 # Performance" guide: dimensions divisible by 8 for fp16/bf16 GEMMs).
 ALIGNMENT = 8
@@ -122,13 +119,6 @@ def affine_guess(peak_at_1: int, peak_at_2: int, capacity: int, start: int = 1) 
     if per_sample <= 0:
         return None
     return max(start, start + (capacity - peak_at_1) // per_sample)
-
-
-# The real peak was above the prediction by up to 11 % in published runs
-# (16 runs: 12 above, typically by 2-6 %). A batch that fits in (1 - h) of
-# the usable memory survives an error e when (1 + e)(1 - h) <= 1: h = 0.10
-# covers e = 11 %.
-DEFAULT_HEADROOM = 0.10
 
 
 def headroom_capacity(usable: int, context: int, headroom: float) -> int:

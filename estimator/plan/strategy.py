@@ -5,90 +5,44 @@ thresholds) form a group and are searched together by replays of one affine
 trace (``estimator.plan.affine``), confirmed as ``ConfirmMode`` says; a step
 that is not affine in the batch is searched with full simulations alone. The
 searches themselves are ``estimator.plan.search``'s; where the steps come from
-(full simulations, or a portable profile) is a ``StepSource``.
+(full simulations, or a portable profile) are ``estimator.plan.steps.Steps``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Hashable, Iterator
-from enum import StrEnum
-from typing import Protocol
+from collections.abc import Hashable
 
 from estimator.gpus import GPU
+from estimator.options import MAX_BATCH, ConfirmMode
 from estimator.plan.affine import AffineTrace
-from estimator.plan.replays import Step
-from estimator.plan.results import Note, Search, SearchMethod, WarningCode
-from estimator.plan.search import MAX_BATCH, aligned_within, headroom_capacity, max_batch, max_batch_between
-from estimator.replay.allocator import ReplayResult
-from estimator.replay.report import MemoryReport
-
-
-class ConfirmMode(StrEnum):
-    """How the affine trace's answers are confirmed by full simulations (``planner.confirm``)."""
-
-    TOP = "top"  # one full simulation per group, just past its largest max, must equal the synthesized step
-    EVERY_CARD = "every-card"  # full simulations at every card's max and max + 1
-    NONE = "none"  # the fit is checked at one more batch only
-
-
-class StepSource(Protocol):
-    """Where a card's steps come from: full simulations (``estimator.sources.Simulator``) or a portable
-    profile (``estimator.sources.ProfileReplayer``)."""
-
-    reserve_bytes: int
-    can_confirm: bool  # whether full simulations can check an answer
-
-    @property
-    def simulations(self) -> int: ...
-
-    def signature(self, gpu: GPU) -> Hashable:
-        """Cards with the same signature get the same step."""
-
-    def report(self, batch: int, gpu: GPU) -> MemoryReport:
-        """The report of the step at ``batch`` (a full simulation where the source has one)."""
-
-    def report_fast(self, batch: int, gpu: GPU) -> MemoryReport:
-        """``report``, from a checked affine trace where one is known."""
-
-    def profile(self, start: int, gpu: GPU) -> AffineTrace | None:
-        """The checked affine trace from ``start`` on; None when the step is not affine in the batch."""
-
-    def known_profile(self, gpu: GPU) -> AffineTrace | None: ...
-
-    def candidates(self, start: int, gpu: GPU) -> Iterator[AffineTrace]:
-        """Affine fits to check, in order."""
-
-    def check(self, profile: AffineTrace, batch: int, gpu: GPU) -> bool:
-        """Whether a full simulation at ``batch`` is exactly what ``profile`` synthesizes."""
-
-    def replay(self, step: Step, batch: int, gpu: GPU, capped: bool = True) -> ReplayResult: ...
-
-    def flops(self, batch: int, gpu: GPU, start: int) -> int: ...
-
+from estimator.plan.notes import Notes
+from estimator.plan.results import Search, SearchMethod, WarningCode
+from estimator.plan.search import aligned_within, headroom_capacity, max_batch, max_batch_between
+from estimator.plan.steps import Steps
 
 Answer = tuple[int | None, Search]
 
 
-def max_batches(source: StepSource, cards: list[GPU], start: int, confirm: ConfirmMode,
-                warnings: list[Note]) -> list[Answer]:
+def max_batches(steps: Steps, cards: list[GPU], start: int, confirm: ConfirmMode,
+                notes: Notes) -> list[Answer]:
     """(max batch, how it was found) per card; cards whose steps share a trace are searched together."""
     answers: list[Answer | None] = [None] * len(cards)
     groups: dict[Hashable, list[int]] = {}
     for i, card in enumerate(cards):
-        if not source.report(start, card).fits:
+        if not steps.report(start, card).fits:
             answers[i] = (None, Search(SearchMethod.FULL))
         else:
-            groups.setdefault(source.signature(card), []).append(i)
+            groups.setdefault(steps.signature(card), []).append(i)
     for members in groups.values():
-        found = _search_group(source, [cards[i] for i in members], start, confirm, warnings)
+        found = _search_group(steps, [cards[i] for i in members], start, confirm, notes)
         for i, answer in zip(members, found, strict=True):
             answers[i] = answer
     return [a for a in answers if a is not None]
 
 
-def _search_group(source: StepSource, cards: list[GPU], start: int, confirm: ConfirmMode,
-                  warnings: list[Note]) -> list[Answer]:
+def _search_group(steps: Steps, cards: list[GPU], start: int, confirm: ConfirmMode,
+                  notes: Notes) -> list[Answer]:
     """Replays of one affine trace for every card of a group, confirmed as ``confirm`` says.
 
     TOP: one full simulation just past the group's largest max must record
@@ -98,42 +52,41 @@ def _search_group(source: StepSource, cards: list[GPU], start: int, confirm: Con
     """
     first = cards[0]
     names = ", ".join(c.name for c in cards)
-    if confirm != ConfirmMode.TOP or not source.can_confirm:
-        profile = source.profile(start, first)
+    if confirm != ConfirmMode.TOP or not steps.can_confirm:
+        profile = steps.affine(start, first)
         if profile is None:
-            warnings.append(Note(WarningCode.NOT_AFFINE, f"{names}: the step's ops or sizes change with the batch; "
-                                 "searched with full simulations"))
-            return [_full_search(source, card, start) for card in cards]
-        bests = _replay_searches(source, profile, cards, start)
-        if confirm == ConfirmMode.EVERY_CARD and source.can_confirm:
-            return [_confirm_card(source, card, best, start, warnings) for card, best in zip(cards, bests, strict=True)]
+            notes.add(WarningCode.NOT_AFFINE, f"{names}: the step's ops or sizes change with the batch; searched "
+                      "with full simulations")
+            return [_full_search(steps, card, start) for card in cards]
+        bests = _replay_searches(steps, profile, cards, start)
+        if confirm == ConfirmMode.EVERY_CARD and steps.can_confirm:
+            return [_confirm_card(steps, card, best, start, notes) for card, best in zip(cards, bests, strict=True)]
         return [(best, Search(SearchMethod.AFFINE)) for best in bests]
     checked: list[int] = []
-    for profile in source.candidates(start, first):
-        bests = _replay_searches(source, profile, cards, start)
+    for profile in steps.candidates(start, first):
+        bests = _replay_searches(steps, profile, cards, start)
         top = min(max(bests) + 1, MAX_BATCH)
-        if source.check(profile, top, first):
+        if steps.check(profile, top, first):
             return [(best, Search(SearchMethod.AFFINE_CHECKED, top)) for best in bests]
         checked.append(top)
     if checked:
-        warnings.append(Note(WarningCode.CHECK_DIFFERS, f"{names}: a full simulation at batch {checked[-1]} differs "
-                             "from the affine trace (the step's ops or sizes change with the batch); searched with "
-                             "full simulations"))
+        notes.add(WarningCode.CHECK_DIFFERS, f"{names}: a full simulation at batch {checked[-1]} differs from "
+                  "the affine trace (the step's ops or sizes change with the batch); searched with full simulations")
     else:
-        warnings.append(Note(WarningCode.NOT_AFFINE, f"{names}: the step's ops or sizes change with the batch; "
-                             "searched with full simulations"))
-    return [_full_search(source, card, start) for card in cards]
+        notes.add(WarningCode.NOT_AFFINE, f"{names}: the step's ops or sizes change with the batch; searched with "
+                  "full simulations")
+    return [_full_search(steps, card, start) for card in cards]
 
 
-def _replay_searches(source: StepSource, profile: AffineTrace, cards: list[GPU], start: int) -> list[int]:
+def _replay_searches(steps: Steps, profile: AffineTrace, cards: list[GPU], start: int) -> list[int]:
     bests, gap = [], 2
     for card in cards:
-        best, gap = replay_search(source, profile, card, start, gap)
+        best, gap = replay_search(steps, profile, card, start, gap)
         bests.append(best)
     return bests
 
 
-def replay_search(source: StepSource, profile: AffineTrace, card: GPU, start: int, gap: int = 2) -> tuple[int, int]:
+def replay_search(steps: Steps, profile: AffineTrace, card: GPU, start: int, gap: int = 2) -> tuple[int, int]:
     """(max batch on ``card`` by replays of ``profile``, how far below the bound it lies); the step fits
     at ``start``.
 
@@ -143,28 +96,28 @@ def replay_search(source: StepSource, profile: AffineTrace, card: GPU, start: in
     a few batches below the bound, about as far as on the group's previous
     card (``gap``). Probes gallop out from there.
     """
-    capacity, workspace = card.usable_bytes(source.reserve_bytes), card.cublas_workspace_bytes
+    capacity, workspace = card.usable_bytes(steps.reserve_bytes), card.cublas_workspace_bytes
     upper = max(profile.live_bound(capacity, workspace, MAX_BATCH), start)
     # upper + 1 cannot fit (or is past MAX_BATCH)
-    best = max_batch_between(lambda b: source.replay(profile, b, card).fits, start, upper + 1, upper - gap)
+    best = max_batch_between(lambda b: steps.replay(profile, b, card).fits, start, upper + 1, upper - gap)
     return best, upper - best
 
 
-def _full_search(source: StepSource, card: GPU, start: int) -> Answer:
+def _full_search(steps: Steps, card: GPU, start: int) -> Answer:
     def full(b: int) -> tuple[bool, int]:
-        r = source.report(b, card)
+        r = steps.report(b, card)
         return r.fits, r.allocated_peak_bytes
 
-    return max_batch(full, card.usable_bytes(source.reserve_bytes), start=start), Search(SearchMethod.FULL)
+    return max_batch(full, card.usable_bytes(steps.reserve_bytes), start=start), Search(SearchMethod.FULL)
 
 
-def _confirm_card(source: StepSource, card: GPU, best: int, start: int, warnings: list[Note]) -> Answer:
+def _confirm_card(steps: Steps, card: GPU, best: int, start: int, notes: Notes) -> Answer:
     """Full simulations at ``best`` and ``best + 1`` on the card; a full search when they disagree."""
-    if source.report(best, card).fits and (best == MAX_BATCH or not source.report(best + 1, card).fits):
+    if steps.report(best, card).fits and (best == MAX_BATCH or not steps.report(best + 1, card).fits):
         return best, Search(SearchMethod.AFFINE_CONFIRMED)
-    warnings.append(Note(WarningCode.CONFIRMATION_DIFFERS, f"{card.name}: full simulations disagree with the affine "
-                         f"trace at batch {best}; searched again"))
-    return _full_search(source, card, start)
+    notes.add(WarningCode.CONFIRMATION_DIFFERS, f"{card.name}: full simulations disagree with the affine trace at "
+              f"batch {best}; searched again", card=card.name, batch=best)
+    return _full_search(steps, card, start)
 
 
 def headroom_card(card: GPU, reserve_bytes: int, headroom: float) -> GPU:
@@ -173,23 +126,23 @@ def headroom_card(card: GPU, reserve_bytes: int, headroom: float) -> GPU:
     return dataclasses.replace(card, memory_bytes=capacity + card.context_bytes + reserve_bytes)
 
 
-def recommend(source: StepSource, card: GPU, start: int, best: int | None, headroom: float, align: bool,
+def recommend(steps: Steps, card: GPU, start: int, best: int | None, headroom: float, *, align: bool = True,
               gap: int = 2) -> tuple[int | None, GPU, int]:
     """(The largest batch, aligned, that fits with the allocator held to (1 - headroom) of the usable memory
     less the CUDA context; the card as that replay sees it; how far below its live-bytes bound the answer
     lay, where the next card's search starts). Monotone like the max: the same searches."""
-    shrunk = headroom_card(card, source.reserve_bytes, headroom)
+    shrunk = headroom_card(card, steps.reserve_bytes, headroom)
     if best is None:
         return None, shrunk, gap
 
     def fits(b: int) -> bool:
-        return source.report_fast(b, shrunk).fits
+        return steps.report(b, shrunk, exact=False).fits
 
     if not fits(start):
         return None, shrunk, gap
-    profile = source.known_profile(card)
+    profile = steps.known_affine(card)
     if profile is not None and profile.min_batch <= start + 1:  # replays from the live-bytes bound, as the max
-        room, gap = replay_search(source, profile, shrunk, start, gap)
+        room, gap = replay_search(steps, profile, shrunk, start, gap)
         room = min(room, best)
     else:
         guess = start + int((best - start) * (1 - headroom))

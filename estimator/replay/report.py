@@ -7,7 +7,7 @@ True
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Annotated
 
@@ -15,7 +15,7 @@ from pydantic import Field
 
 from estimator.gpus import GPU
 from estimator.replay.allocator import AllocatorConfig, ReplayResult, replay_sized
-from estimator.trace import Category, Trace
+from estimator.trace import Category, Step, Trace
 
 
 @dataclass(frozen=True)
@@ -121,22 +121,36 @@ def report_from_trace(
         )
 
     allocator = allocator or AllocatorConfig()
-    sized = trace.events, trace.sizes(gpu.cublas_workspace_bytes), trace.categories()
-    streams = trace.streams()
-    capped = replay_sized(*sized, replace(allocator, capacity=gpu.usable_bytes(reserve_bytes)), timelines=False,
-                          streams=streams)
-    unlimited = capped if capped.fits else replay_sized(*sized, replace(allocator, capacity=None), timelines=False,
-                                                        streams=streams)
-    return report_from_replays(capped, unlimited, trace.events, batch_size, gpu, trace.where, trace.unsupported,
-                               trace.assumptions, reserve_bytes, trace)
+    events, sizes, categories, streams = trace.sized(batch_size, gpu.cublas_workspace_bytes)
+    capped = replay_sized(events, sizes, categories, replace(allocator, capacity=gpu.usable_bytes(reserve_bytes)),
+                          timelines=False, streams=streams)
+    unlimited = capped if capped.fits else replay_sized(events, sizes, categories, replace(allocator, capacity=None),
+                                                        timelines=False, streams=streams)
+    return report_from_replays(capped, unlimited, batch_size, gpu, where=peak_of(trace, capped, unlimited),
+                               unsupported=trace.unsupported, assumptions=trace.assumptions,
+                               reserve_bytes=reserve_bytes, trace=trace)
+
+
+def peak_of(step: Step, capped: ReplayResult, unlimited: ReplayResult) -> tuple[str, str, int]:
+    """(phase, module, iteration) of the allocation at the peak a report shows: the card's replay when the step
+    fits, else the one without a capacity (``step.where`` of ``peak_allocation``)."""
+    k = peak_allocation(step.events, capped, unlimited)
+    return ("", "", 0) if k is None else step.where(k)
+
+
+def peak_allocation(events: Sequence[tuple[bool, int]], capped: ReplayResult, unlimited: ReplayResult) -> int | None:
+    """The allocation at the peak a report shows; None for a step without events."""
+    shown = capped if capped.fits else unlimited
+    return events[shown.peak_event][1] if events else None
 
 
 def report_from_replays(
-    capped: ReplayResult, unlimited: ReplayResult, events: list[tuple[bool, int]], batch_size: int, gpu: GPU,
-    where: Callable[[int], tuple[str, str, int]], unsupported: list[str], assumptions: list[str],
+    capped: ReplayResult, unlimited: ReplayResult, batch_size: int, gpu: GPU, *,
+    where: tuple[str, str, int] = ("", "", 0), unsupported: Sequence[str] = (), assumptions: Sequence[str] = (),
     reserve_bytes: int = 0, trace: Trace | None = None,
 ) -> MemoryReport:
-    """The report from a step's replay on the card (``capped``) and without a capacity (``unlimited``).
+    """The report from a step's replay on the card (``capped``) and without a capacity (``unlimited``);
+    ``where``: the peak's (phase, module, iteration), ``peak_of``.
 
     On the card, a step that fits runs under memory pressure: the allocator
     frees cached blocks and retries instead of growing, so the card's replay
@@ -144,7 +158,7 @@ def report_from_replays(
     not fit is reported with what it would need.
     """
     shown = capped if capped.fits else unlimited
-    phase, module, iteration = where(events[shown.peak_event][1]) if events else ("", "", 0)
+    phase, module, iteration = where
     notes = list(assumptions) + [
         f"CUDA context on {gpu.name}: {gpu.context_bytes // 2**20} MiB (catalog default; driver dependent)",
         f"cuBLAS workspace {gpu.cublas_workspace_bytes} B per handle, allocated through the caching allocator",

@@ -1,38 +1,68 @@
-"""A parsed request as the layers below take it: a ``Recipe``, the cards, the planner's options."""
+"""A request converted once into what the layers below take: ``job_of(request)``.
+
+>>> job = job_of(parse_request({"model": {"source": "timm", "name": "resnet18"}, "gpus": ["T4-16GB"]}))
+>>> job.recipe.precision, [c.name for c in job.cards], job.plan.headroom
+('fp32', ['T4-16GB'], 0.1)
+
+The model section goes to the builders (``estimator.models.build``), the
+recipe to the simulation, the cards and ``PlanOptions`` to the planner; no
+layer below the pipeline sees the request itself. ``with_changes`` applies a
+planner's change (dotted request paths, as a suggestion reports it) to a
+request, for the job a search asks about.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from estimator.errors import SpecError
 from estimator.gpus import CATALOG, DEFAULT_CONTEXT_BYTES, GPU, custom_gpu, get_gpu
-from estimator.plan.advice import AdviceOptions
-from estimator.plan.strategy import ConfirmMode
-from estimator.request.recipe import Distributed, Recipe
+from estimator.models.spec import InputSpec
+from estimator.options import AdviceOptions, ConfirmMode, Levers, PlanOptions
 from estimator.request.spec import CustomGPUSpec, EstimateRequest
+from estimator.simulate.recipe import Distributed, Recipe
 
 
-def recipe_of(request: EstimateRequest, world_size: int | None = None) -> Recipe:
-    """The request's recipe; over ``world_size`` ranks when given (a request's ``"auto"`` is searched by the
-    pipeline: without ``world_size`` it stands for 1 here)."""
+@dataclass(frozen=True)
+class Job:
+    """What each layer takes of one request: ``model`` (the request's model section) and ``input`` for the
+    builders, ``recipe`` for the simulation, ``cards`` and ``plan`` for the planner."""
+
+    model: Any
+    input: InputSpec
+    recipe: Recipe
+    cards: list[GPU]
+    plan: PlanOptions
+
+
+def job_of(request: EstimateRequest) -> Job:
+    """The request as the layers take it; a bad card name fails here, before any build."""
+    if request.training.distributed.world_size == "auto" and request.planner.max_seq_len:
+        raise SpecError("planner.max_seq_len", True, "false with training.distributed.world_size 'auto' "
+                        "(search the seq_len at an integer world size)")
+    return Job(request.model, request.input, recipe_of(request), cards_of(request), plan_of(request))
+
+
+def recipe_of(request: EstimateRequest) -> Recipe:
+    """The request's recipe (over one rank when the world size is ``"auto"``: the planner searches it)."""
     t = request.training
     return Recipe(
         precision=t.precision, optimizer=t.optimizer.name, optimizer_kwargs=t.optimizer.kwargs(),
         gradient_checkpointing=t.gradient_checkpointing, grad_accumulation_steps=t.grad_accumulation_steps,
         zero_grad_set_to_none=t.zero_grad_set_to_none, zero_grad_at=t.zero_grad_at, cudnn_benchmark=t.cudnn_benchmark,
-        distributed=distributed_of(request, world_size),
+        distributed=_distributed_of(request),
     )
 
 
-def distributed_of(request: EstimateRequest, world_size: int | None = None) -> Distributed:
+def _distributed_of(request: EstimateRequest) -> Distributed:
     d = request.training.distributed
-    if world_size is None:
-        world_size = d.world_size if isinstance(d.world_size, int) else 1
     return Distributed(
-        strategy=d.strategy, world_size=world_size, bucket_cap_mb=d.ddp.bucket_cap_mb,
-        gradient_as_bucket_view=d.ddp.gradient_as_bucket_view, static_graph=d.ddp.static_graph,
-        reshard_after_forward=d.fsdp.reshard_after_forward, param_dtype=d.fsdp.param_dtype,
-        reduce_dtype=d.fsdp.reduce_dtype,
+        strategy=d.strategy, world_size=d.world_size if isinstance(d.world_size, int) else 1,
+        bucket_cap_mb=d.ddp.bucket_cap_mb, gradient_as_bucket_view=d.ddp.gradient_as_bucket_view,
+        static_graph=d.ddp.static_graph, reshard_after_forward=d.fsdp.reshard_after_forward,
+        param_dtype=d.fsdp.param_dtype, reduce_dtype=d.fsdp.reduce_dtype,
     )
 
 
@@ -50,15 +80,23 @@ def cards_of(request: EstimateRequest) -> list[GPU]:
     return cards
 
 
-def advice_options(request: EstimateRequest, resolved_input: dict[str, Any], ranks: int | None = None) -> AdviceOptions:
-    """The planner's options; ``ranks``: the world size of a distributed request (the data-parallel ranks)."""
-    plan = request.planner
-    return AdviceOptions(
-        optimizer=request.training.optimizer.name, low_precision=request.training.precision != "fp32",
-        curve_points=plan.curve_points, efficiency=plan.efficiency, ranks=ranks or plan.data_parallel_ranks,
-        dataset_size=plan.dataset_size, max_epoch_seconds=plan.max_epoch_seconds,
-        target_global_batch=plan.target_global_batch, base_lr=plan.base_lr, base_batch=plan.base_batch,
-        seq_len=resolved_input.get("seq_len"),  # a profile's input has every field, null ones too
+def plan_of(request: EstimateRequest) -> PlanOptions:
+    """What the planner is asked: the ``planner`` section, the batch, and the training choices it reads."""
+    p, t = request.planner, request.training
+    d = t.distributed
+    advice = AdviceOptions(
+        optimizer=t.optimizer.name, low_precision=t.precision != "fp32", curve_points=p.curve_points,
+        efficiency=p.efficiency, ranks=p.data_parallel_ranks, dataset_size=p.dataset_size,
+        max_epoch_seconds=p.max_epoch_seconds, target_global_batch=p.target_global_batch, base_lr=p.base_lr,
+        base_batch=p.base_batch,
+    )
+    levers = Levers(checkpointing=bool(t.gradient_checkpointing), precision=t.precision, optimizer=t.optimizer.name,
+                    momentum=bool(t.optimizer.momentum), strategy=d.strategy)
+    return PlanOptions(
+        batch_size=request.batch_size, align=p.align, confirm=ConfirmMode(p.confirm), reserve_bytes=p.reserve_bytes,
+        headroom=p.headroom, suggestions=p.suggestions, max_seq_len=p.max_seq_len, strategy=d.strategy,
+        world_size=d.world_size if isinstance(d.world_size, int) else None,
+        grad_accumulation_steps=t.grad_accumulation_steps, zero_grad_at=t.zero_grad_at, advice=advice, levers=levers,
     )
 
 
@@ -74,3 +112,16 @@ def with_planner(request: EstimateRequest, **changes: Any) -> EstimateRequest:
     if not changes:
         return request
     return request.model_copy(update={"planner": request.planner.model_copy(update=changes)})
+
+
+def with_changes(request: EstimateRequest, change: Mapping[str, Any]) -> EstimateRequest:
+    """``request`` with each dotted path of ``change`` (``training.distributed.world_size``) set to its value, as
+    a suggestion reports it. The planner's changes are valid values of their fields."""
+    doc = request.model_dump(mode="json", by_alias=True)
+    for path, value in change.items():
+        *parents, last = path.split(".")
+        at = doc
+        for name in parents:
+            at = at.setdefault(name, {})
+        at[last] = value
+    return EstimateRequest.model_validate(doc)

@@ -1,130 +1,46 @@
-"""The estimate request (docs/API.md; the service serves its schema at ``GET /docs``), with its limits.
+"""The estimate request (docs/API.md; the service serves its schema at ``GET /docs``), composed of the layers'
+sections: ``model`` from the model sources, ``input`` from the builders, ``training`` in the recipe's
+vocabulary, the bounds and defaults of ``estimator.options``; and the rules the schema cannot state
+(``check_request``).
 
->>> req = parse_request({"model": {"source": "torchvision", "name": "resnet18"}, "gpus": ["T4-16GB"]})
+>>> req = EstimateRequest.model_validate({"model": {"source": "torchvision", "name": "resnet18"}})
 >>> req.training.precision, req.gpus
-('fp32', ['T4-16GB'])
+('fp32', None)
 
-Every bad value becomes a ``SpecError`` naming the field path (``model.name``,
-``gpus[1]``), the value and what was expected; pydantic's own errors are
-translated here, at one seam (``parse_request``).
+``estimator.request.parse`` turns JSON into a checked request (or a ``SpecError``), ``estimator.request.adapt``
+turns a request into what the layers below take (``job_of``).
 """
 
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
 from estimator.errors import SpecError
 from estimator.gpus import CUSTOM_NAME_PATTERN, DEFAULT_CONTEXT_BYTES, custom_name_problem
-from estimator.plan.advice import DEFAULT_EFFICIENCY
-from estimator.plan.search import DEFAULT_HEADROOM, DEFAULT_RESERVE_BYTES
-from estimator.plan.strategy import ConfirmMode
-from estimator.request.allowed import check_request_names
-from estimator.request.limits import (
+from estimator.models.registry import model_spec_type, source_of, sources
+from estimator.models.spec import STRICT as _STRICT
+from estimator.models.spec import InputSpec
+from estimator.options import (
+    DEFAULT_EFFICIENCY,
+    DEFAULT_HEADROOM,
+    DEFAULT_RESERVE_BYTES,
     MAX_BASE_LR,
     MAX_BATCH,
     MAX_CARDS,
-    MAX_CHANNELS,
-    MAX_FRAMES,
     MAX_JSON_DEPTH,
-    MAX_OBJECTS,
-    MAX_SEQ_LEN,
-    MAX_SIDE,
-    MIN_SIDE,
-)
-from estimator.request.recipe import (
     MAX_WORLD_SIZE,
-    Checkpointing,
-    LowPrecision,
-    OptimizerName,
-    Precision,
-    Strategy,
-    ZeroGradAt,
+    ConfirmMode,
 )
+from estimator.simulate.recipe import Checkpointing, LowPrecision, OptimizerName, Precision, Strategy, ZeroGradAt
 
-# The heads a transformers model can train, and its attention kernels.
-Task = Literal["causal-lm", "masked-lm", "sequence-classification", "seq2seq-lm", "image-classification"]
-AttnImplementation = Literal["eager", "sdpa"]
-# transformers' ExpertsInterface (integrations/moe.py) without the ones that fetch kernels (deepgemm, sonicmoe)
-ExpertsImplementation = Literal["eager", "batched_mm", "grouped_mm"]
-MoeRouting = Literal["balanced", "worst-case"]
-
-# NaN and infinities are refused in every typed field (a finite number is expected everywhere)
-_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-# JSON-only kwargs: no callables, no objects, so nothing in a request is code.
-JSONValue = None | bool | int | float | str | list[Any] | dict[str, Any]
-
-
-class TorchvisionModel(BaseModel):
-    model_config = _STRICT
-    source: Literal["torchvision"]
-    name: str = Field(description="torchvision's model name", examples=["resnet50"])
-    kwargs: dict[str, JSONValue] = Field(default_factory=dict, description="constructor arguments",
-                                         examples=[{"num_classes": 10}])
-
-
-class TimmModel(BaseModel):
-    model_config = _STRICT
-    source: Literal["timm"]
-    name: str = Field(description="a name in timm.list_models()", examples=["convnext_tiny"])
-    kwargs: dict[str, JSONValue] = Field(default_factory=dict, description="passed to timm.create_model")
-
-
-class TransformersModel(BaseModel):
-    model_config = _STRICT
-    source: Literal["transformers"]
-    preset: str | None = Field(None, description="a config shipped with batchfit", examples=["bert-large-uncased"])
-    config: dict[str, JSONValue] | None = Field(
-        None, description="an inline config.json; overrides the preset's keys or stands alone (needs model_type)")
-    task: Task | None = Field(None, description="the head to train; default: the preset's own task")
-    attn_implementation: AttnImplementation | None = Field(
-        None, description="transformers' attention kernel; null: the one transformers picks for the model's class "
-        "(sdpa where the class supports it, else eager)", examples=["eager"])
-    experts_implementation: ExpertsImplementation | None = Field(
-        None, description="a mixture-of-experts model's experts kernel; null: the one transformers picks for the "
-        "class (grouped_mm where it can choose, else its own eager loop)", examples=["batched_mm"])
-    moe_routing: MoeRouting = Field(
-        "balanced", description="tokens per expert, which a real router decides from the data: balanced (tokens x "
-        "top-k spread evenly over the experts) or worst-case (every token to the same top-k experts)")
-
-
-class CustomModel(BaseModel):
-    """A local ``package.module:factory``; library and CLI only, refused over HTTP."""
-
-    model_config = _STRICT
-    source: Literal["custom"]
-    factory: str = Field(description="package.module:callable returning an nn.Module", examples=["mypkg.nets:make"])
-    kwargs: dict[str, JSONValue] = Field(default_factory=dict)
-
-
-ModelSpec = Annotated[TorchvisionModel | TimmModel | TransformersModel | CustomModel, Field(discriminator="source")]
-
-
-class InputSpec(BaseModel):
-    model_config = _STRICT
-    image_size: list[int] | None = Field(None, description="[C, H, W] for vision models", examples=[[3, 224, 224]])
-    num_frames: int | None = Field(None, ge=1, le=MAX_FRAMES, description="frames per clip for video models")
-    seq_len: int | None = Field(None, ge=1, le=MAX_SEQ_LEN, description="tokens per sample for text models")
-    target_seq_len: int | None = Field(None, ge=1, le=MAX_SEQ_LEN, description="decoder tokens for seq2seq")
-    num_objects: int | None = Field(None, ge=1, le=MAX_OBJECTS, description="annotated objects per image for detection")
-
-    @field_validator("image_size")
-    @classmethod
-    def _sane_image(cls, v: list[int] | None) -> list[int] | None:
-        if v is None:
-            return v
-        if len(v) != 3:
-            raise ValueError("a list of 3 integers [C, H, W]")
-        c, h, w = v
-        if not 1 <= c <= MAX_CHANNELS:
-            raise ValueError(f"[C, H, W] with 1 <= C <= {MAX_CHANNELS}")
-        if not (MIN_SIDE <= h <= MAX_SIDE and MIN_SIDE <= w <= MAX_SIDE):
-            raise ValueError(f"[C, H, W] with H and W from {MIN_SIDE} to {MAX_SIDE}")
-        return v
+# The request's ``model``: one branch per registered source (estimator/models/registry.py).
+if TYPE_CHECKING:
+    ModelSpec = Any
+else:
+    ModelSpec = model_spec_type()
 
 
 class OptimizerSpec(BaseModel):
@@ -277,80 +193,19 @@ class EstimateRequest(BaseModel):
                                 "at the first card's max batch and report it measured (503 without a GPU)")
 
 
-# --- the seam -----------------------------------------------------------------
-
-_BRANCHES = {"torchvision", "timm", "transformers", "custom", "str", "int", "float", "bool", "CustomGPUSpec"}
-
-
-def _is_branch(part: object) -> bool:
-    """A union branch name pydantic puts in an error's location, not a field."""
-    return isinstance(part, str) and (part in _BRANCHES or part.startswith(("literal[", "list[", "dict[")))
-
-
-def _path(loc: tuple) -> str:
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif _is_branch(part):
-            continue
-        else:
-            out += f".{part}" if out else str(part)
-    return out
-
-
-def _lookup(data: Any, loc: tuple) -> Any:
-    for part in loc:
-        if isinstance(data, dict) and part in data:
-            data = data[part]
-        elif isinstance(data, list) and isinstance(part, int) and part < len(data):
-            data = data[part]
-        elif _is_branch(part):
-            continue
-        else:
-            return None
-    return data
-
-
-def parse_request(data: Any, *, allow_local_code: bool = False) -> EstimateRequest:
-    """Validate a decoded JSON request; ``SpecError`` names the first bad field."""
-    if isinstance(data, (str, bytes)):
-        try:
-            data = json.loads(data)
-        except json.JSONDecodeError as exc:
-            raise SpecError("(body)", data[:80], f"a JSON object ({exc.msg} at line {exc.lineno})") from exc
-    if not isinstance(data, dict):
-        raise SpecError("(body)", data, "a JSON object with at least 'model'")
-    try:
-        req = EstimateRequest.model_validate(data)
-    except ValidationError as exc:
-        errors = exc.errors(include_url=False)
-        # A union reports one error per branch: keep the deepest (the branch
-        # the value was meant for); equally deep ones are alternatives.
-        first = _path(errors[0]["loc"])
-        same = [e for e in errors if _path(e["loc"]).startswith(first)] or errors[:1]
-        deepest = max(len(e["loc"]) for e in same)
-        chosen = [e for e in same if len(e["loc"]) == deepest]
-        err = chosen[0]
-        loc = tuple(err["loc"])
-        value = None if err["type"] == "missing" else err.get("input", _lookup(data, loc))
-        expected = " or ".join(dict.fromkeys(_expected(e) for e in chosen))
-        raise SpecError(_path(loc) or "(body)", value, expected) from exc
-    return check_request(req, allow_local_code=allow_local_code)
-
-
 def check_request(req: EstimateRequest, *, allow_local_code: bool = False) -> EstimateRequest:
     """The rules the schema cannot state, on a request pydantic already validated (FastAPI's body):
-    no local code unless allowed, a transformers model names a preset or a config, and the request
-    names only what it may (estimator/request/allowed.py)."""
-    if isinstance(req.model, CustomModel) and not allow_local_code:
-        raise SpecError("model.source", "custom", "torchvision, timm or transformers (custom factories run "
-                        "only from the library or the CLI's --model, never from a request)")
-    if isinstance(req.model, TransformersModel) and req.model.preset is None and req.model.config is None:
-        raise SpecError("model.preset", None, "a preset name or an inline config (or both)")
-    free = ("config", req.model.config) if isinstance(req.model, TransformersModel) else ("kwargs", req.model.kwargs)
-    _check_json(free[1], f"model.{free[0]}", 0)
-    check_request_names(req.model)  # allow-lists: kwargs, config fields, no paths or URLs
+    no local code unless allowed, and the request names only what its model source allows (each source's
+    ``check_names``: allow-lists, a preset or a config, no paths or URLs; estimator/models/allowed.py)."""
+    source = source_of(req.model)
+    if source.local_code and not allow_local_code:
+        remote = [name for name, s in sources().items() if not s.local_code]
+        raise SpecError("model.source", source.name, f"{', '.join(remote[:-1])} or {remote[-1]} ({source.name} "
+                        "factories run only from the library or the CLI's --model, never from a request)")
+    for name in ("config", "kwargs"):
+        if isinstance(getattr(req.model, name, None), dict):
+            _check_json(getattr(req.model, name), f"model.{name}", 0)
+    source.check_names(req.model)
     _check_distributed(req)
     return req
 
@@ -404,32 +259,3 @@ def _check_json(value: Any, path: str, depth: int) -> None:
     elif isinstance(value, list):
         for i, v in enumerate(value):
             _check_json(v, f"{path}[{i}]", depth + 1)
-
-
-def _expected(err: Mapping[str, Any]) -> str:
-    kind, ctx, msg = err["type"], err.get("ctx", {}), err["msg"]
-    if kind == "missing":
-        return "a value (the field is required)"
-    if kind == "extra_forbidden":
-        return "no such field (the request's fields are listed at GET /docs)"
-    if kind in ("literal_error", "enum"):
-        return f"one of {ctx.get('expected', '')}"
-    if kind in ("greater_than_equal", "less_than_equal", "greater_than", "less_than"):
-        return msg.replace("Input should be ", "a number ")
-    if kind == "union_tag_invalid":
-        return f"model.source one of {ctx.get('expected_tags', '')}"
-    if kind == "union_tag_not_found":
-        return "a 'source' field: torchvision, timm or transformers"
-    if kind == "value_error":
-        return msg.removeprefix("Value error, ")
-    if kind == "model_type" or kind == "dict_type":
-        return "an object {name, memory_bytes, compute_capability}" if "CustomGPUSpec" in err["loc"] else "an object"
-    return msg.replace("Input should be ", "")
-
-
-def describe_validation_error(err: dict[str, Any]) -> SpecError:
-    """One pydantic error (FastAPI's, its location under ``body``) as a ``SpecError``: field, value, expected."""
-    loc = tuple(err["loc"])
-    loc = loc[1:] if loc and loc[0] == "body" else loc
-    value = None if err["type"] == "missing" else err.get("input")
-    return SpecError(_path(loc) or "(body)", value, _expected(err))

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from estimator.errors import SpecError
-from estimator.request.recipe import Recipe
+from estimator.simulate.recipe import Recipe
 
 _CLASSES = {
     "sgd": torch.optim.SGD,

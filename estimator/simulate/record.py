@@ -14,7 +14,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -24,9 +25,8 @@ from torch.utils.flop_counter import flop_registry as _FLOPS
 
 from estimator.errors import BatchTooSmallError, DataDependentError, SimulationError, SpecError
 from estimator.gpus import GPU
-from estimator.models import BuiltModel
+from estimator.models import BatchFactory, BuiltModel, LossFn, ModelFactory
 from estimator.models.meta import build_on_meta
-from estimator.request.recipe import Recipe
 from estimator.simulate.accumulation import Cut, expand, micro_steps_in_trace, repeats
 from estimator.simulate.distributed import (
     NCCL_ASSUMPTION,
@@ -36,7 +36,8 @@ from estimator.simulate.distributed import (
     process_group,
     shard,
 )
-from estimator.simulate.step import BatchFactory, LossFn, ModelFactory, StepHooks, cast_model, prepare, run_steps
+from estimator.simulate.recipe import Recipe
+from estimator.simulate.step import StepHooks, cast_model, prepare, run_steps
 from estimator.simulate.virtual_gpu import Shortcuts, VirtualGPU
 from estimator.simulate.virtual_gpu.cpu_conv import CpuConvColumns
 from estimator.simulate.virtual_gpu.cudnn import ASSUMPTION as CUDNN_ASSUMPTION
@@ -64,7 +65,7 @@ class Recorder:
     """Observes every op on the virtual GPU and records storage lifetimes (the GPU's ``Observer``)."""
 
     def __init__(self, device_type: str, workspace_bytes: int, convs: ConvWorkspaces | CpuConvColumns | None = None,
-                 every_micro_step: bool = False) -> None:
+                 *, streams: Streams, every_micro_step: bool = False) -> None:
         self.device_type = device_type
         self.rnn_calls = 0  # cuDNN RNN calls (_cudnn_rnn and its backward): what they allocate inside is recorded
         self.every_micro_step = every_micro_step
@@ -87,7 +88,7 @@ class Recorder:
         self.params: list[torch.nn.Parameter] = []  # whose .grad is a gradient when a backward ends
         self.closed = False  # finished: the trace is complete
         self.engine: Engine | None = None
-        self.streams: Streams | None = None  # the virtual GPU's, set by record_training
+        self.streams = streams  # the virtual GPU's: which stream each allocation is made on
         self.key_category: dict[int, str] = {}  # storages whose every allocation has a category (mark_storages)
         self.last_aid: dict[int, int] = {}  # a resized storage's latest allocation
 
@@ -122,8 +123,7 @@ class Recorder:
             if old_nbytes:
                 return  # a storage this recorder never saw (made outside the step)
             # made empty, filled now: it lives from here on
-            fin = weakref.finalize(storage, self._free, key, -1)
-            fin.atexit = False
+            weakref.finalize(storage, self._free, key, -1)  # after the step (closed) it records nothing
         if new_nbytes:
             category = self.key_category.get(key, Category.UNKNOWN)
             self.live[key] = aid = self._alloc(new_nbytes, "resize_", category)
@@ -176,8 +176,17 @@ class Recorder:
 
     # --- recording
     def stream(self) -> int:
-        """The stream current on the virtual GPU (0 until one is attached: the default stream)."""
-        return self.streams.current_id() if self.streams is not None else 0
+        """The stream current on the virtual GPU."""
+        return self.streams.current_id()
+
+    def enter(self, phase: Phase, iteration: int) -> None:
+        """The loop enters ``phase`` of ``iteration``: what the next allocations are made in."""
+        self.phase = phase
+        self.iteration = iteration
+
+    def track_gradients(self, params: list[torch.nn.Parameter]) -> None:
+        """From now on, the ``.grad`` of ``params`` is a gradient whenever a backward ends."""
+        self.params = list(params)
 
     def _in_backward(self) -> bool:
         return self.engine is not None and bool(self.engine.node_stack)
@@ -207,8 +216,7 @@ class Recorder:
             return  # the caching allocator hands out no block for 0 bytes
         aid = self._alloc(nbytes, op, Category.UNKNOWN)
         self.live[key] = aid
-        fin = weakref.finalize(storage, self._free, key, aid)
-        fin.atexit = False
+        weakref.finalize(storage, self._free, key, aid)  # after the step (closed) it records nothing
 
     def _alloc(self, nbytes: int, op: str, category: str) -> int:
         aid = len(self.trace.allocations)
@@ -272,9 +280,10 @@ class Recorder:
         flops = sum(self.micro_flops.get((iteration, m), 0) for m in range(ran))
         return flops + (accumulation - ran) * self.micro_flops.get((iteration, ran - 1), 0)
 
-    def finish(self, accumulation: int = 1) -> Trace:
-        """Categorize what is left: activations survive until backward, the rest is temporary; then
-        repeat the micro-steps the simulation stood for (of ``accumulation`` in all).
+    def finish(self, accumulation: int, notes: StepNotes) -> Trace:
+        """The complete trace: categorize what is left (activations survive until backward, the rest is
+        temporary), repeat the micro-steps the simulation stood for (of ``accumulation`` in all), and
+        take what the step said (``notes``) and what the recorder counted (FLOPs, cuDNN RNN calls).
 
         Runs of consecutive frees are put in allocation order: some bursts
         come out of hash maps (clearing autocast's cast cache frees in
@@ -286,13 +295,13 @@ class Recorder:
             if a.category:
                 continue
             if a.phase == Phase.INPUT:
-                a.category = Category.INPUT
+                self.trace.allocations[k].category = Category.INPUT
             elif a.stream:
-                a.category = Category.COMMUNICATION  # made on a collective's stream (FSDP2's)
+                self.trace.allocations[k].category = Category.COMMUNICATION  # made on a collective's stream (FSDP2's)
             elif a.phase in (Phase.FORWARD, Phase.LOSS) and k in self.survivors:
-                a.category = Category.ACTIVATION
+                self.trace.allocations[k].category = Category.ACTIVATION
             else:
-                a.category = Category.TEMPORARY
+                self.trace.allocations[k].category = Category.TEMPORARY
         if self.cuts:
             expand(self.trace, self.cuts, accumulation)
         events = self.trace.events
@@ -304,7 +313,24 @@ class Recorder:
             if j - i > 1:
                 events[i:j] = sorted(events[i:j], key=lambda e: e[1])
             i = j + 1 if j == i else j
-        return self.trace
+        trace = self.trace  # complete from here on: what the step said, what the recorder counted
+        trace.assumptions.extend(notes.setup)
+        if self.cuts:
+            ran = max(c.simulated for c in self.cuts)
+            trace.assumptions.append(
+                f"grad accumulation: {ran} of {accumulation} micro-steps simulated (the last repeated the one "
+                f"before); memory from {micro_steps_in_trace(accumulation, ran)} of them, FLOPs from all "
+                f"{accumulation}")
+        if self.rnn_calls:
+            trace.assumptions.append(RNN_ASSUMPTION)
+        trace.assumptions.extend(notes.kernels)
+        trace.unsupported.extend(notes.unsupported)
+        self.trace.sdpa_calls = list(notes.sdpa_calls)
+        self.trace.card_queries = list(notes.card_queries)
+        self.trace.capability_thresholds = list(notes.capability_thresholds)
+        # FLOPs of one optimizer step's forward and backward passes (all accumulation micro-batches), steady state
+        self.trace.flops = self.step_flops(notes.iterations - 1, accumulation)
+        return trace
 
     def snapshot_survivors(self) -> None:
         """Called when a backward starts: live forward allocations are activations."""
@@ -322,8 +348,7 @@ class SimulationHooks(StepHooks):
         self.model = model  # a distributed step's (wrapped) model, whose own buffers get their categories
 
     def phase(self, phase: Phase, iteration: int) -> None:
-        self.recorder.phase = phase
-        self.recorder.iteration = iteration
+        self.recorder.enter(phase, iteration)
 
     def micro_step(self, iteration: int, micro: int) -> bool:
         return self.recorder.micro_step(iteration, micro)
@@ -398,6 +423,21 @@ WORST_CASE_ASSUMPTION = ("data-dependent sizes at their maximum (every mask elem
                          ".item() in the forward reads 0, the model's asserts hold): an upper bound")
 
 
+@dataclass
+class StepNotes:
+    """What a simulated step says besides its allocations, for ``Recorder.finish``: the assumption lines of its
+    set-up and of the kernels it ran, what it could not model, its SDPA calls, the torch.cuda questions it asked
+    and the capability thresholds of its kernels."""
+
+    iterations: int
+    setup: list[str] = field(default_factory=list)
+    kernels: list[str] = field(default_factory=list)
+    unsupported: list[str] = field(default_factory=list)
+    sdpa_calls: list[Any] = field(default_factory=list)
+    card_queries: list[str] = field(default_factory=list)
+    capability_thresholds: list[tuple[int, int]] = field(default_factory=list)
+
+
 def record_training(
     model_factory: ModelFactory,
     batch_factory: BatchFactory,
@@ -411,11 +451,15 @@ def record_training(
     worst_case: bool = False,
     shortcuts: Shortcuts | None = None,
     every_micro_step: bool = False,
+    routing: str = "balanced",
+    notes: Sequence[str] = (),
 ) -> Trace:
     """Simulate ``recipe.iterations`` training steps (``estimator.simulate.step``) and return the event trace.
 
     Accumulation micro-steps stop being simulated once they repeat (``estimator.simulate.accumulation``);
     ``every_micro_step`` simulates them all, the trace that repetition stands for (slow: for tests).
+    ``routing``: tokens per expert in an eager experts loop (``model.moe_routing``); ``notes``: assumption
+    lines the caller adds to the trace's own.
     """
     if not isinstance(batch_size, int) or batch_size < 1:
         raise SpecError("batch_size", batch_size, "an integer >= 1")
@@ -428,88 +472,85 @@ def record_training(
     meta_model = cast_model(meta_model, recipe)  # on meta: no allocation
     convs = ConvWorkspaces(gpu.capability, recipe.cudnn_benchmark) if gpu is not None else None
     columns = CpuConvColumns() if gpu is None else None  # the CPU target's slow kernels' im2col buffers
+    streams = Streams()  # the virtual GPU's streams, which the recorder reads
     recorder = Recorder("cuda" if gpu is not None else "cpu", gpu.cublas_workspace_bytes if gpu is not None else 0,
-                        convs or columns, every_micro_step)
+                        convs or columns, streams=streams, every_micro_step=every_micro_step)
     vgpu = VirtualGPU(gpu, observer=recorder, worst_case=WorstCase(recorder.module) if worst_case else None,
                       subclass_like=subclass_like, cpp_engine=cpp_engine, shortcuts=shortcuts,
-                      distributed=recipe.distributed.active)
-    if worst_case:
-        recorder.trace.assumptions.append(WORST_CASE_ASSUMPTION)
-    recorder.streams = vgpu.streams
+                      distributed=recipe.distributed.active, routing=routing, streams=streams)
+    setup = [WORST_CASE_ASSUMPTION] if worst_case else []  # what the set-up says of the step
+    unsupported: list[str] = []
     d = recipe.distributed
     with contextlib.ExitStack() as stack:
         mesh = None
         if d.active:
             stack.enter_context(process_group(d))
-            recorder.trace.assumptions.append(NCCL_ASSUMPTION)
+            setup.append(NCCL_ASSUMPTION)
             if d.shards:
                 mesh = mesh_for(d, vgpu.device.type)
         stack.enter_context(vgpu)
         stack.enter_context(torch.autograd.graph.node_creation_hook(
             lambda node: recorder.node_modules.__setitem__(node._sequence_nr(), recorder.module())))
         if mesh is not None:
-            recorder.trace.assumptions.append(_call(Phase.SETUP, functools.partial(shard, meta_model, d, mesh),
-                                                    recorder))
+            setup.append(_call(Phase.SETUP, functools.partial(shard, meta_model, d, mesh), recorder))
             model = vgpu.materialize_sharded(meta_model)
         else:
             model = vgpu.materialize(meta_model)
         recorder.mark(model.parameters(), Category.PARAMETER)
         recorder.mark(model.buffers(), Category.BUFFER)
-        recorder.trace.unsupported.extend(_unsupported_hooks(model))
+        unsupported.extend(_unsupported_hooks(model))
         training = _call(Phase.SETUP, functools.partial(prepare, model, recipe, vgpu.device, simulated=True),
                          recorder)
-        recorder.trace.assumptions.extend(training.notes)
-        recorder.params = training.params
+        setup.extend(training.notes)
+        recorder.track_gradients(training.params)
         with _ModuleTracker(recorder, model, training.model):
             run_steps(training, batch_factory, loss_fn, batch_size, recipe, vgpu.device,
-                      SimulationHooks(vgpu, recorder, training.model if d.active else None))
-        recorder.params = []
+                      hooks=SimulationHooks(vgpu, recorder, training.model if d.active else None))
+        recorder.track_gradients([])
         del model, training
-    accumulation = recipe.grad_accumulation_steps
-    trace = recorder.finish(accumulation)
-    if recorder.cuts:
-        ran = max(c.simulated for c in recorder.cuts)
-        trace.assumptions.append(
-            f"grad accumulation: {ran} of {accumulation} micro-steps simulated (the last repeated the one before); "
-            f"memory from {micro_steps_in_trace(accumulation, ran)} of them, FLOPs from all {accumulation}")
-    if recorder.rnn_calls:
-        trace.assumptions.append(RNN_ASSUMPTION)
+    return recorder.finish(recipe.grad_accumulation_steps, StepNotes(
+        recipe.iterations, setup=setup, kernels=[*_kernel_lines(vgpu, convs, recipe), *notes],
+        unsupported=[*unsupported, *vgpu.unsupported], sdpa_calls=sorted(vgpu.sdpa_calls, key=repr),
+        card_queries=sorted(set(vgpu.card_queries)),
+        capability_thresholds=sorted(convs.thresholds) if convs is not None else []))
+
+
+def _kernel_lines(vgpu: VirtualGPU, convs: ConvWorkspaces | None, recipe: Recipe) -> list[str]:
+    """What the virtual GPU's kernels said during the step: the worst case, cuDNN, MoE kernels."""
+    lines = []
     if vgpu.worst_case is not None and vgpu.worst_case.used:
-        trace.assumptions.append(f"data-dependent ops at their worst case: {vgpu.worst_case.summary()}")
-    if convs is not None:
-        trace.capability_thresholds = sorted(convs.thresholds)
-        if convs.calls:
-            trace.assumptions.append(CUDNN_ASSUMPTION)
-            if recipe.cudnn_benchmark:
-                trace.assumptions.append(BENCHMARK_ASSUMPTION)
-    trace.unsupported.extend(vgpu.unsupported)
-    if gpu is not None:
-        trace.assumptions.extend(vgpu.grouped_mm.assumptions(gpu.name))
-    trace.sdpa_calls = sorted(vgpu.sdpa_calls, key=repr)
-    # FLOPs of one optimizer step's forward and backward passes (all accumulation micro-batches), steady state
-    trace.flops = recorder.step_flops(recipe.iterations - 1, accumulation)
-    trace.card_queries = sorted(set(vgpu.card_queries))
-    return trace
+        lines.append(f"data-dependent ops at their worst case: {vgpu.worst_case.summary()}")
+    if convs is not None and convs.calls:
+        lines.append(CUDNN_ASSUMPTION)
+        if recipe.cudnn_benchmark:
+            lines.append(BENCHMARK_ASSUMPTION)
+    if vgpu.gpu is not None:
+        lines.extend(vgpu.grouped_mm.assumptions(vgpu.gpu.name))
+    return lines
 
 
-def record_built(built: BuiltModel, batch_size: int, recipe: Recipe, gpu: GPU | None) -> Trace:
-    """``record_training`` of a built model. A model whose step turns out to read a tensor's value or to make a
-    data-dependent shape (``DataDependentError``) is simulated again under the worst-case policy
-    (virtual_gpu/worst_case.py: every mask element true, ``.item()`` reads 0), and ``built`` is marked so that
-    its later simulations use the policy from the start; the trace's assumptions name each such op and the
-    modules that ran it. A model that fails even under the policy raises the first error."""
-    try:
+def record_built(built: BuiltModel, batch_size: int, recipe: Recipe, gpu: GPU | None, *,
+                 notes: Sequence[str] = ()) -> Trace:
+    """``record_training`` of a built model (its routing, its worst-case policy; ``notes`` added to the trace's
+    assumptions). A model whose step turns out to read a tensor's value or to make a data-dependent shape
+    (``DataDependentError``) is simulated again under the worst-case policy (virtual_gpu/worst_case.py: every
+    mask element true, ``.item()`` reads 0), and ``built`` is marked so that its later simulations use the
+    policy from the start; the trace's assumptions name each such op and the modules that ran it. A model that
+    fails even under the policy raises the first error."""
+    def run(worst_case: bool) -> Trace:
         return record_training(built.factory, built.batch_factory, built.loss_fn, batch_size, recipe, gpu,
-                               worst_case=built.worst_case)
+                               worst_case=worst_case, routing=built.moe_routing, notes=notes)
+
+    try:
+        return run(built.worst_case)
     except DataDependentError as first:
         if built.worst_case:
             raise
         try:
-            trace = record_training(built.factory, built.batch_factory, built.loss_fn, batch_size, recipe, gpu,
-                                    worst_case=True)
+            trace = run(True)
         except DataDependentError:
             raise first from None
-        built.worst_case = True
+        built.mark_worst_case()
         return trace
 
 

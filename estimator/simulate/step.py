@@ -26,14 +26,12 @@ from typing import Any, TypeVar
 import torch
 
 from estimator.errors import SimulationError
-from estimator.request.recipe import Recipe
+from estimator.models import BatchFactory, LossFn
 from estimator.simulate.checkpointing import enable_checkpointing
 from estimator.simulate.optimizers import build_optimizer
+from estimator.simulate.recipe import Recipe
 from estimator.trace import Phase
 
-ModelFactory = Callable[[], torch.nn.Module]
-BatchFactory = Callable[[int, torch.device], tuple[Any, Any]]
-LossFn = Callable[[Any, Any], torch.Tensor]
 T = TypeVar("T")
 
 
@@ -123,7 +121,7 @@ def apply_model(model: torch.nn.Module, inputs: Any) -> Any:
 
 
 def run_steps(training: Training, batch_factory: BatchFactory, loss_fn: LossFn, batch_size: int, recipe: Recipe,
-              device: torch.device, hooks: StepHooks | None = None) -> None:
+              device: torch.device, *, hooks: StepHooks | None = None) -> None:
     """``recipe.iterations`` optimizer steps of ``training`` on batches from ``batch_factory``."""
     hooks = hooks or StepHooks(device)
     model, params, optimizer, scaler = training.model, training.params, training.optimizer, training.scaler
@@ -140,7 +138,7 @@ def run_steps(training: Training, batch_factory: BatchFactory, loss_fn: LossFn, 
             hooks.phase(Phase.INPUT, it)
             batch = hooks.call(Phase.INPUT, lambda: batch_factory(batch_size, device))
             inputs, targets = batch
-            loss = _forward(hooks, model, inputs, targets, loss_fn, recipe, keep, it)
+            loss = _forward(hooks, model, inputs, targets, loss_fn, recipe, keep=keep, it=it)
             if micro == 0 and recipe.zero_grad_at == "after-forward":
                 hooks.phase(Phase.ZERO_GRAD, it)
                 optimizer.zero_grad(set_to_none=recipe.zero_grad_set_to_none)
@@ -166,8 +164,8 @@ def run_steps(training: Training, batch_factory: BatchFactory, loss_fn: LossFn, 
     del batch
 
 
-def _forward(hooks: StepHooks, model: torch.nn.Module, inputs: Any, targets: Any, loss_fn: LossFn, recipe: Recipe,
-             keep: tuple[int | str, ...], it: int) -> torch.Tensor:
+def _forward(hooks: StepHooks, model: torch.nn.Module, inputs: Any, targets: Any, loss_fn: LossFn, recipe: Recipe, *,
+             keep: tuple[int | str, ...] = (), it: int = 0) -> torch.Tensor:
     with hooks.autocast(recipe.autocast_dtype):
         hooks.phase(Phase.FORWARD, it)
         # pure bf16: the copy lives as long as the forward (and what autograd saves of it), as in Fabric

@@ -2,7 +2,7 @@
 
 Types come from the installed transformers (every model type its auto mappings send to causal-LM, masked-LM,
 seq2seq-LM and image-classification) and from a fixed, seeded sample of ``timm.list_models()``. Each is
-estimated through the request path a user takes (``parse_request`` -> ``build`` -> ``recipe_of`` ->
+estimated through the request path a user takes (``parse_request`` -> ``job_of`` -> ``build`` ->
 ``record_built``): one simulated step at batch 2, amp-bf16, AdamW, on an A100-80GB.
 
 A transformers config is derived from its config class's defaults, made small in depth only (hidden sizes stay
@@ -264,8 +264,8 @@ def simulate(request: dict[str, Any], timeout_s: int = 0) -> tuple[str, str]:
     """(status, reason) of one request's simulated step at its batch size on its card."""
     from estimator.gpus import get_gpu
     from estimator.models import build
-    from estimator.request.adapt import recipe_of
-    from estimator.request.spec import parse_request
+    from estimator.request.adapt import job_of
+    from estimator.request.parse import parse_request
     from estimator.simulate.record import record_built
 
     old = signal.signal(signal.SIGALRM, _alarm) if timeout_s else None
@@ -273,8 +273,8 @@ def simulate(request: dict[str, Any], timeout_s: int = 0) -> tuple[str, str]:
         signal.alarm(timeout_s)
     try:
         parsed = parse_request(request)
-        built = build(parsed)
-        record_built(built, parsed.batch_size or BATCH, recipe_of(parsed), get_gpu(GPU))
+        job = job_of(parsed)
+        record_built(build(job.model, job.input), parsed.batch_size or BATCH, job.recipe, get_gpu(GPU))
         return "simulates", ""
     except SpecError as exc:
         return "422", f"{exc.field}: expected {exc.expected}"[:300]

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from estimator.errors import SimulationError
-from estimator.request.recipe import Distributed
+from estimator.simulate.recipe import Distributed
 
 # NCCL's docs (Environment Variables, NCCL_BUFFSIZE): "default is 4194304 (4 MiB)" per channel and peer,
 # allocated by NCCL with cudaMalloc, outside PyTorch's caching allocator.

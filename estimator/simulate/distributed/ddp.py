@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch.distributed.utils import _sync_module_states
 from torch.nn.parallel.distributed import _BucketCapacityConfig
 
-from estimator.request.recipe import Distributed
+from estimator.simulate.recipe import Distributed
 
 _MB = 1024 * 1024
 BROADCAST_BUCKET_BYTES = 250 * _MB  # DistributedDataParallel.broadcast_bucket_size

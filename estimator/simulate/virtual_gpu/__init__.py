@@ -202,7 +202,7 @@ class VirtualGPU:
     def __init__(
         self, gpu: GPU | None, *, observer: Observer | None = None, worst_case: WorstCase | None = None,
         shortcuts: Shortcuts | None = None, subclass_like: bool = False, cpp_engine: bool = False,
-        distributed: bool = False,
+        distributed: bool = False, routing: str = "balanced", streams: Streams | None = None,
     ) -> None:
         self.gpu = gpu
         self.is_cuda = gpu is not None
@@ -222,13 +222,13 @@ class VirtualGPU:
         self.card_queries: list[str] = []  # torch.cuda questions whose answer depends on the card
         self.worst_case = worst_case  # data-dependent ops at their largest size, or None
         self.grouped_mm = GroupedMM(self.capability if self.is_cuda else None)  # MoE experts' kernel
-        self.routing = Routing()  # tokens per expert in the eager experts loop (model.moe_routing)
+        self.routing = Routing(routing)  # tokens per expert in the eager experts loop (model.moe_routing)
         # torch._check_tensor_all's verdicts (aten._is_all_true), read with .item(): see _scalar
         self._checks: WeakIdKeyDictionary = WeakIdKeyDictionary()
         # Tests only: leave torch's C++ engine in charge (works for fake CPU tensors).
         self.cpp_engine = cpp_engine and gpu is None
         self.unsupported: list[str] = []
-        self.streams = Streams()  # which stream allocates: one allocator pool per stream
+        self.streams = streams or Streams()  # which stream allocates: one allocator pool per stream
         self.rnns = CudnnRnns()  # cuDNN's RNN path (docs/DESIGN.md, fact 20)
         self._patches = Patches()
         self._fake: FakeMode | None = None
@@ -269,9 +269,7 @@ class VirtualGPU:
                     name=self.gpu.name, major=self.capability[0], minor=self.capability[1],
                     total_memory=self.gpu.memory_bytes,
                 )
-                obs = self.observer
-                patch_cuda_queries(p, props, obs.memory_allocated, obs.max_memory_allocated, obs.reset_peak,
-                                   self.card_queries.append, obs.empty_cache)
+                patch_cuda_queries(p, props, self.observer, self.card_queries.append)
                 self.streams.patch(p)
                 # docs/DESIGN.md, fact 5: the attention backend the card would pick.
                 p.set(torch.nn.functional, "scaled_dot_product_attention",

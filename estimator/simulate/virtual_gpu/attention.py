@@ -1,89 +1,23 @@
-"""The SDPA backend the target card would pick.
+"""The SDPA kernel the target card would run, in place of the math path fake tensors get.
 
-On fake CUDA tensors ``aten::_fused_sdp_choice`` answers MATH (docs/DESIGN.md, fact 5),
-which materializes B·H·S² attention scores. A real card walks
-``priority_order`` in aten/src/ATen/native/transformers/cuda/sdp_utils.cpp
-(flash, efficient, math, cudnn in torch 2.14) and takes the first backend
-whose checks pass. The checks below are the ones that decide memory; the
-numbers cite that file.
+The choice is ``estimator/simulate/sdpa_choice.py``'s (sdp_utils.cpp's checks); here it is made for each
+call of ``F.scaled_dot_product_attention`` and the chosen kernel's aten op run (docs/DESIGN.md, fact 5).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from enum import IntEnum
 
 import torch
 
-
-class SDPBackend(IntEnum):
-    """Values of ``sdp::SDPBackend`` (aten/src/ATen/native/transformers/sdp_utils.h)."""
-
-    MATH = 0
-    FLASH = 1
-    EFFICIENT = 2
-    CUDNN = 3
+from estimator.simulate.sdpa_choice import SdpaCall, SDPBackend, backend_for
 
 
-@dataclass(frozen=True)
-class SdpaCall:
+def call_of(q, k, v, attn_mask) -> SdpaCall:
     """What the backend choice reads from one call (none of it depends on the batch size)."""
-
-    dtype: torch.dtype
-    dim: int
-    head_dims: tuple[int, int, int]  # q, k, v
-    has_mask: bool
-    requires_grad: bool
-
-    @classmethod
-    def of(cls, q, k, v, attn_mask) -> SdpaCall:
-        requires_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-        return cls(q.dtype, q.dim(), (q.shape[-1], k.shape[-1], v.shape[-1]), attn_mask is not None, requires_grad)
-
-
-def _flash_ok(capability: tuple[int, int], c: SdpaCall) -> bool:
-    if not (8, 0) <= capability:  # check_sm_version: flash needs sm80+
-        return False
-    if c.dtype not in (torch.float16, torch.bfloat16):  # check_flash_attention_datatype
-        return False
-    if c.has_mask:  # check_for_attn_mask
-        return False
-    if c.dim != 4:  # check_tensor_shapes
-        return False
-    dq, dk, dv = c.head_dims
-    if not (dq == dk == dv) or dq > 256:  # check_head_dim_size_flash
-        return False
-    # check_requires_grad_and_head_dim_gt192_constraints_on_sm86_89
-    if c.requires_grad and dq > 192 and capability in ((8, 6), (8, 9)):
-        return False
-    return True
-
-
-def _efficient_ok(capability: tuple[int, int], c: SdpaCall) -> bool:
-    if capability < (5, 0):  # check_sm_version: mem-efficient needs sm50+
-        return False
-    allowed = (torch.float16, torch.float32) + ((torch.bfloat16,) if capability >= (8, 0) else ())
-    if c.dtype not in allowed:
-        return False
-    if c.dim != 4:
-        return False
-    # check_head_dim_size_mem_efficient: q/k last dims equal and aligned
-    # (8 elements for 16-bit types on tensor cores, 4 for fp32).
-    align = 8 if c.dtype in (torch.float16, torch.bfloat16) else 4
-    dq, dk, dv = c.head_dims
-    if dq != dk or dq % align or dv % align:
-        return False
-    return True
-
-
-def backend_for(call: SdpaCall, capability: tuple[int, int]) -> SDPBackend:
-    """The backend ``select_sdp_backend`` would return for this call on a card of this capability."""
-    if _flash_ok(capability, call):
-        return SDPBackend.FLASH
-    if _efficient_ok(capability, call):
-        return SDPBackend.EFFICIENT
-    return SDPBackend.MATH
+    requires_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    return SdpaCall(str(q.dtype), q.dim(), (q.shape[-1], k.shape[-1], v.shape[-1]), attn_mask is not None,
+                    requires_grad)
 
 
 def choose_backend(capability: tuple[int, int], q, k, v, attn_mask=None, dropout_p: float = 0.0) -> SDPBackend:
@@ -93,7 +27,7 @@ def choose_backend(capability: tuple[int, int], q, k, v, attn_mask=None, dropout
     >>> choose_backend((9, 0), q, q, q).name
     'FLASH'
     """
-    return backend_for(SdpaCall.of(q, k, v, attn_mask), capability)
+    return backend_for(call_of(q, k, v, attn_mask), capability)
 
 
 def make_sdpa(original, capability: tuple[int, int], on_call: Callable[[SdpaCall], None] | None = None):
@@ -105,7 +39,7 @@ def make_sdpa(original, capability: tuple[int, int], on_call: Callable[[SdpaCall
     """
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        call = SdpaCall.of(query, key, value, attn_mask)
+        call = call_of(query, key, value, attn_mask)
         if on_call is not None:
             on_call(call)
         backend = backend_for(call, capability)

@@ -9,9 +9,21 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+
+
+class Memory(Protocol):
+    """What ``torch.cuda``'s memory queries read: the virtual GPU's observer (``estimator.simulate.record``)."""
+
+    def memory_allocated(self) -> int: ...
+
+    def max_memory_allocated(self) -> int: ...
+
+    def reset_peak(self) -> None: ...
+
+    def empty_cache(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -52,21 +64,15 @@ class Patches:
                 delattr(obj, name)
 
 
-def patch_cuda_queries(
-    patches: Patches,
-    props: DeviceProperties,
-    allocated: Callable[[], int],
-    peak: Callable[[], int],
-    reset_peak: Callable[[], None],
-    on_query: Callable[[str], None] = lambda name: None,
-    empty_cache: Callable[[], None] = lambda: None,
-) -> None:
-    """Answer ``torch.cuda``'s device and memory queries for ``props``.
+def patch_cuda_queries(patches: Patches, props: DeviceProperties, memory: Memory,
+                       on_query: Callable[[str], None] = lambda name: None) -> None:
+    """Answer ``torch.cuda``'s device and memory queries for ``props``, the memory ones from ``memory``.
 
     ``on_query`` hears every question whose answer depends on the card
     (capability, properties, free memory): a trace that asked none is the
     same on every card.
     """
+    allocated, peak, reset_peak = memory.memory_allocated, memory.max_memory_allocated, memory.reset_peak
     cuda = torch.cuda
     capability = (props.major, props.minor)
 
@@ -94,5 +100,5 @@ def patch_cuda_queries(
     patches.set(cuda, "reset_peak_memory_stats", lambda device=None: reset_peak())
     free_total = told("mem_get_info", lambda: (props.total_memory - allocated(), props.total_memory))
     patches.set(cuda, "mem_get_info", free_total)
-    patches.set(cuda, "empty_cache", empty_cache)
+    patches.set(cuda, "empty_cache", memory.empty_cache)
     patches.set(torch.backends.cuda, "is_built", lambda: True)

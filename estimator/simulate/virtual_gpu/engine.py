@@ -265,6 +265,19 @@ def _refcount_baseline() -> int:
     return probe(t)
 
 
+@dataclass
+class _GraphTask:
+    """engine.cpp's ``GraphTask``: one backward's state (keep_graph_, dependencies_, exec_info_, captured_vars_,
+    not_ready_, and its ready queue)."""
+
+    keep_graph: bool
+    deps: dict[int, int]
+    exec_info: dict[int, _ExecInfo]
+    captured: list
+    ready: list[_Task] = field(default_factory=list)
+    not_ready: dict[int, list] = field(default_factory=dict)
+
+
 class Engine:
     """Backward on the calling thread with the C++ engine's memory behaviour.
 
@@ -375,17 +388,16 @@ class Engine:
         if output_edges:
             captured = [None] * len(output_edges)
             exec_info = self._init_to_execute(root, output_edges, accumulate_grad)
-        ready: list[_Task] = []
-        not_ready: dict[int, list] = {}
-        heap_push(ready, _Task(root, buffer, root._sequence_nr()))
+        graph = _GraphTask(keep_graph, deps, exec_info, captured)
+        heap_push(graph.ready, _Task(root, buffer, root._sequence_nr()))
         del buffer
-        while ready:
-            task = heap_pop(ready)
-            self._evaluate(task, keep_graph, deps, exec_info, captured, ready, not_ready)
+        while graph.ready:
+            task = heap_pop(graph.ready)
+            self._evaluate(task, graph)
             del task
         del nodes
         self._graph_seqs.pop()
-        return captured
+        return graph.captured
 
     @staticmethod
     def _dependencies(root) -> tuple[dict[int, int], dict[int, Any]]:
@@ -456,23 +468,23 @@ class Engine:
         return info
 
     # engine.cpp: Engine::evaluate_function
-    def _evaluate(self, task, keep_graph, deps, exec_info, captured, ready, not_ready) -> None:
+    def _evaluate(self, task, graph: _GraphTask) -> None:
         fn = task.node
         inputs = task.buffer
         task.buffer = None
-        if exec_info:
-            info = exec_info.get(id(fn))
+        if graph.exec_info:
+            info = graph.exec_info.get(id(fn))
             if info is None:
                 return
             if not info.needed:
                 inputs = self.hooks.run(fn, inputs)
             for input_idx, output_idx in info.captures:
-                captured[output_idx] = inputs[input_idx]
+                graph.captured[output_idx] = inputs[input_idx]
             if not info.needed:
                 return
         outputs, unpacked = self._call_function(fn, inputs)
         del inputs  # engine.cpp: call_function's inputs die before release_variables
-        if not keep_graph and not isinstance(fn, _GraphRoot):
+        if not graph.keep_graph and not isinstance(fn, _GraphRoot):
             self.saved.release(fn._sequence_nr(), unpacked, self._graph_seqs[-1])
         del unpacked
         if not outputs:
@@ -483,16 +495,16 @@ class Engine:
             if nxt is None:
                 continue
             key = id(nxt)
-            remaining = deps[key] - 1
+            remaining = graph.deps[key] - 1
             if remaining == 0:
-                del deps[key]
+                del graph.deps[key]
             else:
-                deps[key] = remaining
-            if exec_info:
-                e = exec_info.get(key)
+                graph.deps[key] = remaining
+            if graph.exec_info:
+                e = graph.exec_info.get(key)
                 if e is None or not (e.needed or e.captures):
                     continue
-            buffer = not_ready.get(key)
+            buffer = graph.not_ready.get(key)
             output = outputs[i]
             outputs[i] = None
             if buffer is None:
@@ -500,15 +512,15 @@ class Engine:
                 self._buffer_add(buffer, input_nr, output)
                 del output
                 if remaining == 0:
-                    heap_push(ready, _Task(nxt, buffer, nxt._sequence_nr()))
+                    heap_push(graph.ready, _Task(nxt, buffer, nxt._sequence_nr()))
                 else:
-                    not_ready[key] = buffer
+                    graph.not_ready[key] = buffer
             else:
                 self._buffer_add(buffer, input_nr, output)
                 del output
                 if remaining == 0:
-                    del not_ready[key]
-                    heap_push(ready, _Task(nxt, buffer, nxt._sequence_nr()))
+                    del graph.not_ready[key]
+                    heap_push(graph.ready, _Task(nxt, buffer, nxt._sequence_nr()))
             del buffer
 
     # engine.cpp: call_function

@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-from estimator.models.routing import ROUTING
 from estimator.simulate.virtual_gpu.worst_case import version
 
 aten = torch.ops.aten
@@ -195,10 +194,15 @@ class Routing:
     indices, sums it over the tokens and reads the counts (``expert_size.tolist()``) to split the sorted
     tokens between the experts (``split_with_sizes``); each count read answers the policy's count for that
     expert, so that the split sizes add up to tokens x top-k.
+
+    ``policy``: the request's ``model.moe_routing`` ("balanced" or "worst-case"), which the builder hands the
+    simulation with the model (``BuiltModel.moe_routing``).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, policy: str = "balanced") -> None:
         from torch.utils.weak import WeakIdKeyDictionary
+
+        self.policy = policy
 
         self.masks: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> the _Mask it derives from
         self.zeros: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensors made as zeros -> their version then
@@ -230,7 +234,7 @@ class Routing:
         if func is aten.eq.Tensor and _one_hot(args):
             # one_hot(top_k_index, num_classes) on fake tensors: top_k_index.unsqueeze(-1) == arange(num_classes)
             idx, classes = args
-            self.masks[out] = _Mask(idx.shape[0], idx.shape[1], classes.shape[0] - 1, ROUTING.get())
+            self.masks[out] = _Mask(idx.shape[0], idx.shape[1], classes.shape[0] - 1, self.policy)
         elif func is aten.cumsum.default and first in self.masks and first.dim() == 3 \
                 and args[1] in (-2, 1):
             mask = self.masks[first]  # read as (tokens, top_k, 1) == classes - 1 experts; it is (batch, seq)
@@ -244,7 +248,7 @@ class Routing:
                                     capacity=capacity)
         elif func in _SCATTERS and self._still_zeros(first) and _top_k_scatter(args):
             tokens, experts = first.shape
-            self.gates[out] = _Mask(tokens, args[2].shape[1], experts, ROUTING.get())
+            self.gates[out] = _Mask(tokens, args[2].shape[1], experts, self.policy)
         elif self.masks and func in _FOLLOW and first in self.masks:
             mask = self.masks[first]
             for t in out if isinstance(out, (list, tuple)) else (out,):

@@ -50,7 +50,7 @@ def _request_from_args(args: argparse.Namespace):
         data = {**data, "model": {"source": "custom", "factory": args.model}}
     from transformers.utils import logging as hf_logging
 
-    from estimator.request.spec import parse_request
+    from estimator.request.parse import parse_request
 
     hf_logging.set_verbosity_error()  # its info lines would mix into our output
     return parse_request(data, allow_local_code=args.model is not None)
@@ -68,7 +68,7 @@ def _estimate(args: argparse.Namespace) -> int:
     progress = _progress(not args.json)
     request = None
     if args.profile is not None:
-        from estimator.portable import PortableProfile
+        from estimator.portable.profile import PortableProfile
 
         profile = PortableProfile.from_json(_read_spec(args.profile, "--profile"))
         response = estimate_from_profile(profile, gpus=args.gpus, batch_size=args.batch_size)
@@ -107,11 +107,12 @@ def _by_module(request, response):
     from estimator.models.meta import build_on_meta
     from estimator.replay.modules import breakdown_by_module
     from estimator.replay.report import report_from_trace
-    from estimator.request.adapt import cards_of, recipe_of
+    from estimator.request.adapt import job_of
     from estimator.simulate.record import record_built
     from estimator.simulate.step import cast_model
 
-    card, recipe, built = cards_of(request)[0], recipe_of(request), build(request)
+    job = job_of(request)
+    card, recipe, built = job.cards[0], job.recipe, build(job.model, job.input)
     batch, reserve = response.results[0].memory.batch_size, request.planner.reserve_bytes
     trace = record_built(built, batch, recipe, card)
     report = report_from_trace(trace, batch, card, reserve_bytes=reserve)
@@ -148,7 +149,7 @@ def _profile(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from estimator.validate import as_json, validate
+    from estimator.measure.cuda import as_json, validate
 
     request = _request_from_args(args)
     response, v = validate(request, batch_size=args.batch_size)
@@ -174,18 +175,18 @@ def _validate(args: argparse.Namespace) -> int:
 
 def _plot(args: argparse.Namespace, response, request) -> None:
     """The first card's step at its memory batch, simulated (or synthesized from the profile) again."""
+    from estimator.cli.plot import draw_timeline
     from estimator.gpus import get_gpu
-    from estimator.plot import draw_timeline
-    from estimator.request.adapt import cards_of, recipe_of
+    from estimator.request.adapt import job_of
 
     first = response.results[0]
     batch = first.memory.batch_size
     if args.profile is not None:
-        from estimator.portable import PortableProfile
-        from estimator.sources import ProfileReplayer
+        from estimator.portable.profile import PortableProfile
+        from estimator.portable.replayer import ProfileReplayer
 
         doc = PortableProfile.from_json(_read_spec(args.profile, "--profile"))
-        replayer = ProfileReplayer(doc, 0)
+        replayer = ProfileReplayer(doc)
         card = get_gpu(first.gpu, field="--gpus[0]")
         key = replayer.signature(card)
         step = doc.first_steps[key] if batch == doc.start else doc.steps[key]
@@ -196,9 +197,9 @@ def _plot(args: argparse.Namespace, response, request) -> None:
         from estimator.simulate.record import record_built
 
         assert request is not None  # --spec: parsed once, by _estimate (stdin is read once)
-        card = cards_of(request)[0]
-        built = build(request)
-        trace = record_built(built, batch, recipe_of(request), card)
+        job = job_of(request)
+        card = job.cards[0]
+        trace = record_built(build(job.model, job.input), batch, job.recipe, card)
         events, phases = trace_events(trace), [a.phase for a in trace.allocations]
     draw_timeline(events, phases, f"batch {batch} on {first.gpu}", args.plot)
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from estimator.request.recipe import Recipe
+from estimator.simulate.recipe import Recipe
 from estimator.testing.zoo import ZOO
 
 BATCH = 4

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from estimator.errors import SpecError
+from estimator.options import MAX_WORLD_SIZE
 
 if TYPE_CHECKING:
     import torch
@@ -30,7 +31,6 @@ CHECKPOINTING = (False, True, "reentrant", "non-reentrant", "selective")
 ZERO_GRAD_AT: tuple[str, ...] = get_args(ZeroGradAt)
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
 MP_DTYPES: tuple[str, ...] = get_args(LowPrecision)
-MAX_WORLD_SIZE = 1024
 
 
 @dataclass(frozen=True)

@@ -82,9 +82,9 @@ from typing import Any
 
 import torch
 
-from estimator.request.recipe import Recipe
+from estimator.measure.cpu import BATCH
+from estimator.simulate.recipe import Recipe
 from estimator.simulate.step import StepHooks
-from estimator.testing.cpu_truth import BATCH
 
 STRATEGIES = ("ddp", "fsdp", "zero1")
 _TIMEOUT_S = 300.0
@@ -290,7 +290,7 @@ def _measure(job: Job, rank: int, world_size: int) -> RankPeak:
         if job.strategy in ("ddp", "zero1"):
             initial = _initial_bucket_sizes(training.model)
         with torch.profiler.record_function(_STEPS):
-            run_steps(training, bf, lf, job.batch, job.recipe, cpu, _Settling(cpu))
+            run_steps(training, bf, lf, job.batch, job.recipe, cpu, hooks=_Settling(cpu))
         if job.strategy in ("ddp", "zero1"):
             with torch.profiler.record_function(_LOOK):  # not part of the run: left out of the timeline
                 buckets = _bucket_sizes(training.model)

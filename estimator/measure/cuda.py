@@ -3,7 +3,7 @@
 >>> response, validation = validate(request)                             # doctest: +SKIP
 >>> validation.errors["allocated_peak_bytes"]                            # measured vs predicted
 
-The step runs in a subprocess (``python -m estimator.validate``), so an
+The step runs in a subprocess (``python -m estimator.measure.cuda``), so an
 out-of-memory error or a crashed driver leaves the caller healthy: the model
 is built for real (random init, no downloads), the request's recipe runs for
 3 iterations at the batch, and the child reports
@@ -104,7 +104,7 @@ class CudaSubprocess:
     def measure(self, request_json: dict[str, Any], batch_size: int) -> Measurement:
         if not cuda_available():
             raise NoGPUError()
-        proc = subprocess.run([sys.executable, "-m", "estimator.validate"], input=json.dumps(
+        proc = subprocess.run([sys.executable, "-m", "estimator.measure.cuda"], input=json.dumps(
             {"request": request_json, "batch_size": batch_size}), capture_output=True, text=True,
             timeout=self.timeout_s)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -121,10 +121,10 @@ def validate(request, source: MeasurementSource | None = None, batch_size: int |
     """
     from estimator.models import build
     from estimator.pipeline import estimate
-    from estimator.request.adapt import cards_of
+    from estimator.request.adapt import job_of
 
-    cards_of(request)
-    build(request)  # a bad request fails as a bad request first, GPU or not
+    job = job_of(request)
+    build(job.model, job.input)  # a bad request fails as a bad request first, GPU or not
     source = source or CudaSubprocess()
     if isinstance(source, CudaSubprocess):
         if not cuda_available():
@@ -136,7 +136,7 @@ def validate(request, source: MeasurementSource | None = None, batch_size: int |
     first = response.results[0]
     batch = batch_size or request.batch_size or first.max_batch_size or first.min_batch_size
     if batch != first.memory.batch_size:
-        from estimator.request.spec import parse_request
+        from estimator.request.parse import parse_request
 
         again = parse_request({**request.model_dump(mode="json"), "batch_size": batch})
         response = estimate(again)
@@ -192,8 +192,8 @@ def _child(doc: dict[str, Any]) -> Measurement:
     import torch
 
     from estimator.models import build
-    from estimator.request.adapt import recipe_of
-    from estimator.request.spec import parse_request
+    from estimator.request.adapt import job_of
+    from estimator.request.parse import parse_request
     from estimator.simulate.step import StepHooks, cast_model, prepare, run_steps
 
     request = parse_request(doc["request"])
@@ -206,8 +206,9 @@ def _child(doc: dict[str, Any]) -> Measurement:
     m = Measurement(batch, gpu=gpu, driver=driver, torch=torch.__version__, cuda=str(torch.version.cuda),
                     context_bytes=baseline - before_init)
     torch.cuda.reset_peak_memory_stats()
-    built = build(request)
-    recipe = dataclasses.replace(recipe_of(request), iterations=ITERATIONS)
+    job = job_of(request)
+    built = build(job.model, job.input)
+    recipe = dataclasses.replace(job.recipe, iterations=ITERATIONS)
     torch.backends.cudnn.benchmark = recipe.cudnn_benchmark
     class Measuring(StepHooks):
         """The real loop, reading NVML's used memory after each iteration."""
@@ -225,7 +226,7 @@ def _child(doc: dict[str, Any]) -> Measurement:
             model = built.factory()
         # the loop the simulation runs (estimator/simulate/step.py), for real
         run_steps(prepare(cast_model(model, recipe), recipe, device), built.batch_factory, built.loss_fn, batch, recipe,
-                  device, measuring)
+                  device, hooks=measuring)
         peak_used = measuring.peak_used
     except torch.cuda.OutOfMemoryError as exc:
         m.oom, m.error = True, f"out of memory: {str(exc).splitlines()[0]}"

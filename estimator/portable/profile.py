@@ -6,11 +6,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from estimator.errors import SpecError
-from estimator.plan.affine import SCHEMA_VERSION, AffineTrace, from_json
+from estimator.gpus import CATALOG, GPU
+from estimator.plan.affine import SCHEMA_VERSION, AffineTrace, concrete, from_json
+from estimator.trace import Trace
+
+if TYPE_CHECKING:
+    from estimator.plan.steps import Steps
 
 
 @dataclass
@@ -61,3 +67,38 @@ class PortableProfile:
                        [(int(a), int(b)) for a, b in doc["capability_thresholds"]])
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise SpecError("--profile", f"{type(exc).__name__}: {exc}", "a complete batchfit profile") from exc
+
+
+def profile_of(steps: Steps, backend_key: Callable[[GPU], str], cards: Sequence[GPU], start: int, *,
+               request: dict[str, Any], notes: Sequence[str] = (), versions: dict[str, str]) -> PortableProfile:
+    """The profile of a simulated job: per attention-backend key of the catalog's cards and the request's
+    (``cards``), the checked affine trace from ``start`` on, the step at ``start`` and the FLOPs; ``request``:
+    the request as JSON, its input resolved; ``notes``: what the planner said of the model besides its
+    assumptions."""
+    affine: dict[str, AffineTrace] = {}
+    first: dict[str, AffineTrace] = {}
+    flops: dict[str, tuple[int, int]] = {}
+    model = steps.model
+    for card in [*CATALOG.values(), *cards]:
+        key = backend_key(card)
+        if key in affine:
+            continue
+        trace = steps.trace(start, card)
+        assert isinstance(trace, Trace)  # simulated
+        if trace.card_queries:
+            raise SpecError("model", model.name, "a model that does not ask torch.cuda about the card "
+                            f"(it asked {', '.join(trace.card_queries)}): profile it per card")
+        fitted = steps.affine(start, card)
+        if fitted is None:
+            raise SpecError("model", model.name, "a step whose ops do not change with the batch size "
+                            "(a portable profile synthesizes every batch from two)")
+        affine[key], first[key] = fitted, concrete(trace)
+        flops[key] = (steps.flops(start + 1, card, start), steps.flops(start + 2, card, start))
+    probe = steps.trace(start, cards[0])
+    assert isinstance(probe, Trace)
+    return PortableProfile(
+        request=request, model=model.name, parameter_count=model.parameter_count, start=start, flops=flops,
+        sdpa_calls=[{**asdict(c), "head_dims": list(c.head_dims)} for c in probe.sdpa_calls], steps=affine,
+        first_steps=first, assumptions=list(model.assumptions) + list(notes), versions=versions,
+        capability_thresholds=list(probe.capability_thresholds),
+    )

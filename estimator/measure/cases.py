@@ -13,7 +13,7 @@ LLAMA_1B = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 563
             "max_position_embeddings": 2048, "architectures": ["LlamaForCausalLM"]}
 
 
-def _case(name: str, model: dict[str, Any], batch: int, precision: str = "fp32", optimizer: str = "adamw",
+def _case(name: str, model: dict[str, Any], batch: int, precision: str = "fp32", *, optimizer: str = "adamw",
           checkpointing: bool = False, training: dict[str, Any] | None = None,
           **inp: Any) -> tuple[str, int, dict[str, Any]]:
     return name, batch, {"model": model, "input": inp, "training": {

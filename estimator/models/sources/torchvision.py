@@ -13,14 +13,24 @@ frames of 112 px for the R(2+1)D family); else 3x224x224.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Literal
 
-import torchvision.models as tvm
+from pydantic import BaseModel, Field
 
 from estimator.errors import SpecError
-from estimator.models import BuiltModel, check_image, count_parameters, probe, tasks, unknown_name
-from estimator.request.allowed import check_model_names
-from estimator.request.spec import InputSpec, TorchvisionModel
+from estimator.models import BuiltModel
+from estimator.models.allowed import check_model_names, refuse_paths
+from estimator.models.building import check_image, count_parameters, probe, unknown_name
+from estimator.models.registry import ModelSource, register
+from estimator.models.spec import STRICT, InputSpec, JSONValue
+
+
+class TorchvisionModel(BaseModel):
+    model_config = STRICT
+    source: Literal["torchvision"]
+    name: str = Field(description="torchvision's model name", examples=["resnet50"])
+    kwargs: dict[str, JSONValue] = Field(default_factory=dict, description="constructor arguments",
+                                         examples=[{"num_classes": 10}])
 
 DEFAULT_FRAMES = 16  # torchvision's video references train on 16-frame clips
 # COCO train2017 has about 7.3 annotated objects per image; 8 rounds up.
@@ -34,6 +44,8 @@ COCO_KEYPOINTS = 17
 
 
 def families() -> dict[str, list[str]]:
+    import torchvision.models as tvm
+
     return {
         "classification": tvm.list_models(module=tvm),
         "segmentation": tvm.list_models(module=tvm.segmentation),
@@ -44,6 +56,8 @@ def families() -> dict[str, list[str]]:
 
 def _default_weights_meta(name: str) -> tuple[int | None, int | None]:
     """(crop side, frames) from the first published weights, read from torchvision's tables."""
+    import torchvision.models as tvm
+
     try:
         weights = list(tvm.get_model_weights(name))
     except (ValueError, KeyError):
@@ -58,6 +72,10 @@ def _default_weights_meta(name: str) -> tuple[int | None, int | None]:
 
 
 def build_torchvision(spec: TorchvisionModel, inp: InputSpec) -> BuiltModel:
+    import torchvision.models as tvm
+
+    from estimator.models import tasks
+
     fam = families()
     family = next((f for f, names in fam.items() if spec.name in names), None)
     if family is None:
@@ -135,3 +153,12 @@ def _check_resize(model: Any, h: int, w: int, kwargs: dict[str, Any]) -> None:
     given = [k for k in ("min_size", "max_size") if k in kwargs]
     blamed = (f"model.kwargs.{given[0]}", kwargs[given[0]]) if given else ("input.image_size", [3, h, w])
     check_image(3, rh, rw, blamed, blamed)
+
+
+def _check_names(spec: TorchvisionModel) -> None:
+    refuse_paths(spec.name, "model.name")
+    check_model_names("torchvision", spec.kwargs)
+
+
+register(ModelSource("torchvision", TorchvisionModel, build_torchvision, _check_names, families,
+                     libraries=("torchvision",)))

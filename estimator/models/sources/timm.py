@@ -10,16 +10,29 @@ patch grid (ViT, DeiT, Swin, Mixer) must be built for the requested size
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
 
 from estimator.errors import SpecError
-from estimator.models import BuiltModel, check_image, count_parameters, probe, tasks, unknown_name
-from estimator.request.allowed import check_model_names
-from estimator.request.spec import InputSpec, TimmModel
+from estimator.models import BuiltModel
+from estimator.models.allowed import check_model_names, refuse_paths
+from estimator.models.building import check_image, count_parameters, probe, unknown_name
+from estimator.models.registry import ModelSource, register
+from estimator.models.spec import STRICT, InputSpec, JSONValue
+
+
+class TimmModel(BaseModel):
+    model_config = STRICT
+    source: Literal["timm"]
+    name: str = Field(description="a name in timm.list_models()", examples=["convnext_tiny"])
+    kwargs: dict[str, JSONValue] = Field(default_factory=dict, description="passed to timm.create_model")
 
 
 def build_timm(spec: TimmModel, inp: InputSpec) -> BuiltModel:
     import timm
+
+    from estimator.models import tasks
 
     base = spec.name.split(".", 1)[0]
     if not timm.is_model(base):
@@ -63,3 +76,17 @@ def build_timm(spec: TimmModel, inp: InputSpec) -> BuiltModel:
         raise SpecError("input.image_size", inp.image_size, f"{default[0]} channels (model.kwargs in_chans changes it)")
     return BuiltModel(f"timm:{spec.name}", factory, tasks.images(c, h, w), tasks.classification_loss,
                       {"image_size": [c, h, w]}, count_parameters(model), assumptions)
+
+
+def _check_names(spec: TimmModel) -> None:
+    refuse_paths(spec.name, "model.name")
+    check_model_names("timm", spec.kwargs)
+
+
+def _listing() -> dict[str, Any]:
+    import timm
+
+    return {"names": timm.list_models()}
+
+
+register(ModelSource("timm", TimmModel, build_timm, _check_names, _listing, libraries=("timm",)))

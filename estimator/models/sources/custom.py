@@ -9,14 +9,27 @@ from __future__ import annotations
 
 import functools
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
-import torch.nn.functional as F
+from pydantic import BaseModel, Field
 
 from estimator.errors import SpecError
-from estimator.models import BuiltModel, count_parameters, probe, tasks
-from estimator.request.spec import CustomModel, InputSpec
+from estimator.models import BuiltModel
+from estimator.models.building import count_parameters, probe
+from estimator.models.registry import ModelSource, register
+from estimator.models.spec import STRICT, InputSpec, JSONValue
+
+if TYPE_CHECKING:
+    import torch
+
+
+class CustomModel(BaseModel):
+    """A local ``package.module:factory``; library and CLI only, refused over HTTP."""
+
+    model_config = STRICT
+    source: Literal["custom"]
+    factory: str = Field(description="package.module:callable returning an nn.Module", examples=["mypkg.nets:make"])
+    kwargs: dict[str, JSONValue] = Field(default_factory=dict)
 
 
 def load_factory(ref: str, field_name: str = "model.factory"):
@@ -38,6 +51,9 @@ def load_factory(ref: str, field_name: str = "model.factory"):
 
 
 def token_loss(out: Any, ids: torch.Tensor) -> torch.Tensor:
+    import torch
+    import torch.nn.functional as F
+
     if getattr(out, "loss", None) is not None:
         return out.loss
     logits = out if isinstance(out, torch.Tensor) else out.logits  # (B, S, V)
@@ -45,6 +61,10 @@ def token_loss(out: Any, ids: torch.Tensor) -> torch.Tensor:
 
 
 def build_custom(spec: CustomModel, inp: InputSpec) -> BuiltModel:
+    import torch
+
+    from estimator.models import tasks
+
     factory = functools.partial(load_factory(spec.factory), **spec.kwargs)
     model = probe(factory, "model.kwargs", spec.kwargs)
     if inp.seq_len is not None:
@@ -60,3 +80,11 @@ def build_custom(spec: CustomModel, inp: InputSpec) -> BuiltModel:
     c, h, w = inp.image_size
     return BuiltModel(f"custom:{spec.factory}", factory, tasks.images(c, h, w), tasks.classification_loss,
                       {"image_size": [c, h, w]}, count_parameters(model))
+
+
+def _no_names(spec: CustomModel) -> None:
+    """A local factory names no library model: nothing to check beyond the schema (and it never comes over
+    the network: ``local_code``)."""
+
+
+register(ModelSource("custom", CustomModel, build_custom, _no_names, dict, local_code=True))
