@@ -303,6 +303,7 @@ def test_distributed_recipe_rules() -> None:
 _GPT2 = {"source": "transformers", "preset": "gpt2"}
 
 
+@pytest.mark.sim_slow  # several world sizes, each its own simulations
 def test_distributed_results_carry_world_and_global_batch() -> None:
     response = estimate(parse_request({
         "model": _GPT2, "input": {"seq_len": 64}, "gpus": ["A100-80GB"],
@@ -316,6 +317,7 @@ def test_distributed_results_carry_world_and_global_batch() -> None:
     assert any("NCCL" in a for a in response.assumptions)
 
 
+@pytest.mark.sim_slow  # several world sizes, each its own simulations
 def test_world_size_auto_finds_the_fewest_ranks() -> None:
     """gpt2 (124 M parameters), fp32 AdamW: 16 B per parameter of state alone, about 2 GB; a 2.5 GB card
     (less its 450 MiB context and the 256 MiB reserve) cannot hold it on one rank, but can once FSDP
@@ -338,6 +340,7 @@ def test_world_size_auto_finds_the_fewest_ranks() -> None:
     assert fewer.results[0].max_batch_size is None
 
 
+@pytest.mark.sim_slow  # several world sizes, each its own simulations
 def test_single_gpu_that_does_not_fit_gets_checked_suggestions() -> None:
     card = {"name": "small-card", "memory_bytes": int(2.5 * 2**30), "compute_capability": "8.0"}
     # a second card whose name contains the first's: each warning names its own card's fix, once
