@@ -4,20 +4,23 @@
 >>> r = estimate_memory(make_model, make_batch, loss_fn, 32, recipe=Recipe(precision="amp-bf16"), gpu="H100-80GB")
 >>> r.device_peak_bytes, r.fits, r.breakdown.activations
 
-The public facade: the service (``app/``) and the CLI import only what is
-named here. Nothing is imported at import time (torch loads lazily, when a
-name that needs it is first used).
+The public facade. Nothing is imported at import time (torch loads lazily,
+when a name that needs it is first used). The service (``app/``) imports
+these names and the torch-free ``estimator.errors``, ``estimator.gpus`` and
+``estimator.options`` (tests/test_layers.py holds it to that); the CLI
+(``estimator.cli``) reaches into the layers it presents.
 
-The layers, in the order a request passes through them (docs/DESIGN.md has
-who imports whom):
+The layers, in the order a request passes through them, which is also the
+import order (docs/DESIGN.md, "Layout"):
 
     pipeline      one request end to end
-    request/      the request schema, its limits, the recipe
-    models/       builders, presets, build_on_meta
-    simulate/     the virtual GPU, the engine, the recorder, the training loop
-    trace         the event trace: the contract, no torch
+    request/      the request: schema, parse, job_of
+    portable/     the portable profile
+    simulate/     the virtual GPU, the recorder, the training loop, the Simulator
+    models/       the model sources and their builders
+    plan/         the answer: steps, searches, strategy, advice, results
     replay/       the caching allocator's replay, reports
-    plan/         affine traces, searches, strategy, advice, results
+    trace, options, gpus, errors    the contracts every layer reads
 """
 
 from __future__ import annotations
