@@ -72,7 +72,9 @@ class UnknownGPUError(SpecError):
     def __init__(self, field: str, value: object, suggestions: list[str]) -> None:
         self.suggestions = suggestions
         hint = f" (did you mean {', '.join(suggestions)}?)" if suggestions else ""
-        super().__init__(field, value, f"a catalog GPU name{hint}; see `batchfit gpus` or GET /gpus")
+        super().__init__(field, value, f"a catalog GPU name{hint}; see `batchfit gpus` or GET /gpus; or a card "
+                         'of your own: {"name": "my-card", "memory_bytes": <bytes nvidia-smi reports>, '
+                         '"compute_capability": "8.0"}')
 
     def fields(self) -> dict[str, Any]:
         return {"field": self.field, "value": self.value, "suggestions": self.suggestions}

@@ -107,8 +107,7 @@ _CATALOG: tuple[GPU, ...] = (
     GPU("A100-40GB", 40960 * MIB, (8, 0), 420 * MIB, 312.0, 19.5, "NVIDIA A100-SXM4-40GB"),
     GPU("A100-80GB", 81920 * MIB, (8, 0), 420 * MIB, 312.0, 19.5, "NVIDIA A100-SXM4-80GB"),
     # H100 SXM: 81559 MiB; 989 TFLOPS bf16 dense, 67 fp32. PCIe: 81559 MiB; 756 bf16, 51 fp32 (H100 datasheet)
-    GPU("H100-80GB", 81559 * MIB, (9, 0), 520 * MIB, 989.0, 67.0, "NVIDIA H100 80GB HBM3 (SXM)"),
-    GPU("H100-SXM-80GB", 81559 * MIB, (9, 0), 520 * MIB, 989.0, 67.0, "NVIDIA H100 80GB HBM3"),
+    GPU("H100-80GB", 81559 * MIB, (9, 0), 520 * MIB, 989.0, 67.0, "NVIDIA H100 80GB HBM3"),
     GPU("H100-PCIe-80GB", 81559 * MIB, (9, 0), 520 * MIB, 756.0, 51.0, "NVIDIA H100 PCIe"),
     # H200: 143771 MiB; 989 TFLOPS bf16 dense, 67 fp32 (H200 datasheet)
     GPU("H200-141GB", 143771 * MIB, (9, 0), 520 * MIB, 989.0, 67.0, "NVIDIA H200"),
@@ -141,7 +140,7 @@ _PRODUCTS: dict[str, tuple[str, ...]] = {
     "RTX4090-24GB": ("NVIDIA-GeForce-RTX-4090",),
     "A100-40GB": ("NVIDIA-A100-SXM4-40GB", "A100-SXM4-40GB", "NVIDIA-A100-PCIE-40GB", "A100-PCIE-40GB"),
     "A100-80GB": ("NVIDIA-A100-SXM4-80GB", "A100-SXM4-80GB", "NVIDIA-A100-80GB-PCIe", "A100-80GB-PCIe"),
-    "H100-80GB": ("NVIDIA-H100-80GB-HBM3",),  # the SXM card; H100-SXM-80GB is the same card by another name
+    "H100-80GB": ("NVIDIA-H100-80GB-HBM3", "H100-SXM-80GB"),  # the SXM card (H100-SXM-80GB: its row until 0.6)
     "H100-PCIe-80GB": ("NVIDIA-H100-PCIe",),
     "H200-141GB": ("NVIDIA-H200",),
     "L40S-48GB": ("NVIDIA-L40S",),
@@ -156,14 +155,25 @@ def _with_aliases(gpu: GPU) -> GPU:
 
 
 CATALOG: dict[str, GPU] = {g.name: _with_aliases(g) for g in _CATALOG}
-CATALOG_VERSION = "2026-12-01"
+CATALOG_VERSION = "2026-12-03"
 
-# every spelling a card answers to, lower-cased (names and aliases are unique across the catalog)
+def _key(spelling: str) -> str:
+    """A spelling as the catalog looks it up: lower case, spaces as dashes (NVML's names, as GFD labels them)."""
+    return "-".join(spelling.lower().split())
+
+
+# every spelling a card answers to, lower-cased, spaces as dashes (names, aliases, nvidia-smi's names are unique
+# across the catalog): nvidia-smi's "Tesla T4" and GFD's "Tesla-T4" are one spelling
 _SPELLINGS: dict[str, GPU] = {}
 for _gpu in CATALOG.values():
-    for _spelling in (_gpu.name, *_gpu.aliases):
-        assert _spelling.lower() not in _SPELLINGS, _spelling
-        _SPELLINGS[_spelling.lower()] = _gpu
+    for _spelling in dict.fromkeys(_key(s) for s in (_gpu.name, *_gpu.aliases, _gpu.description)):
+        assert _SPELLINGS.get(_spelling, _gpu) is _gpu, _spelling
+        _SPELLINGS[_spelling] = _gpu
+# a card's family (the name before its first dash: "T4", "A10G", "H200"), for the whole cards only
+_FAMILIES: dict[str, list[GPU]] = {}
+for _gpu in CATALOG.values():
+    if _gpu.mig_parent is None:
+        _FAMILIES.setdefault(_key(_gpu.name.split("-")[0]), []).append(_gpu)
 
 
 def mig_cards(profile: str) -> list[GPU]:
@@ -177,9 +187,14 @@ def mig_gpu(parent: GPU, profile: str) -> GPU | None:
 
 
 def find_gpu(name: str) -> GPU | None:
-    """The card ``name`` spells, case-insensitive: a catalog name, a GFD product label (``aliases``), or a MIG
-    resource (``nvidia.com/mig-1g.5gb``) that only one card has; None otherwise (``get_gpu`` says why)."""
-    gpu = _SPELLINGS.get(name.lower())
+    """The card ``name`` spells, case-insensitive: a catalog name, a GFD product label (``aliases``), nvidia-smi's
+    name (``Tesla T4``, ``NVIDIA A100-SXM4-80GB``), a family only one whole card has (``T4``, ``L4``, ``A10G``,
+    ``H200``), or a MIG resource (``nvidia.com/mig-1g.5gb``) that only one card has; None otherwise
+    (``get_gpu`` says why)."""
+    gpu = _SPELLINGS.get(_key(name))
+    family = _FAMILIES.get(_key(name).replace("-", ""), []) or _FAMILIES.get(_key(name), [])
+    if gpu is None and len(family) == 1:
+        gpu = family[0]
     if gpu is None and name.lower().startswith(MIG_RESOURCE_PREFIX):
         cards = mig_cards(name[len(MIG_RESOURCE_PREFIX):])
         gpu = cards[0] if len(cards) == 1 else None
@@ -198,9 +213,15 @@ def get_gpu(name: str, field: str = "gpus") -> GPU:
         rows = mig_cards(name[len(MIG_RESOURCE_PREFIX):])
         if rows:  # more than one card has it: which one is the caller's to say
             raise UnknownGPUError(field, name, [g.name for g in rows])
+    family = _FAMILIES.get(_key(name).replace("-", ""), []) or _FAMILIES.get(_key(name), [])
+    if family:  # several cards of that family (A100: 40 and 80 GB): which one is the caller's to say
+        raise UnknownGPUError(field, name, [g.name for g in family])
     spellings = {s: g.name for s, g in _SPELLINGS.items()}
-    close = difflib.get_close_matches(name.lower(), list(spellings), n=3, cutoff=0.5)
-    raise UnknownGPUError(field, name, list(dict.fromkeys(spellings[c] for c in close)))
+    close = difflib.get_close_matches(_key(name), list(spellings), n=3, cutoff=0.5)
+    # a short name is far from the long spellings: also match it against the families
+    close += difflib.get_close_matches(_key(name), list(_FAMILIES), n=3, cutoff=0.5)
+    names = [spellings[c] if c in spellings else _FAMILIES[c][0].name for c in close]
+    raise UnknownGPUError(field, name, list(dict.fromkeys(names))[:3])
 
 
 # The CUDA context of a card the catalog does not know: what most catalog rows have.

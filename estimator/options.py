@@ -65,7 +65,8 @@ class AdviceOptions:
     """The request's wishes for advice (its ``planner`` section, with the optimizer and precision)."""
 
     optimizer: str = "adamw"
-    low_precision: bool = False  # the matmuls run on bf16/fp16 tensor cores (amp, pure bf16, FSDP's param_dtype)
+    compute: str = "fp32"  # the dtype the matmuls run in: "bf16" or "fp16" (tensor cores) or "fp32"
+    compute_from: str = "training.precision fp32"  # the request's field that says so, for the assumption line
     curve_points: int = 10
     efficiency: float = DEFAULT_EFFICIENCY
     ranks: int = 1
@@ -75,6 +76,11 @@ class AdviceOptions:
     base_lr: float | None = None
     base_batch: int | None = None
     seq_len: int | None = None  # tokens per sample, as the model was built (the planner sets it)
+
+    @property
+    def low_precision(self) -> bool:
+        """The matmuls run on 16-bit tensor cores: the card's bf16/fp16 peak times them, not its fp32 peak."""
+        return self.compute != "fp32"
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,8 @@ only steps (estimator/plan/steps.py's ``StepSource``)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from estimator.gpus import GPU, custom_gpu
@@ -62,3 +64,25 @@ def test_a_card_that_does_not_fit_batch_one_is_named_with_its_batch() -> None:
     assert response.results[0].max_batch_size is None
     assert [(w.code, w.message) for w in response.warnings] == [
         (WarningCode.DOES_NOT_FIT, "fake does not fit on tiny-card even at batch 1")]
+
+
+def test_step_time_under_fsdp_mixed_precision_uses_the_16_bit_peak() -> None:
+    """FSDP2's recipe: training.precision fp32 with fsdp.param_dtype bf16 computes in bf16, so the step takes
+    the card's bf16 tensor-core peak (an A100: 312 TFLOP/s, not 19.5 fp32), and the assumption line says which."""
+    from estimator.options import AdviceOptions
+    from estimator.request.adapt import job_of
+    from estimator.request.parse import parse_request
+
+    request = parse_request({"model": {"source": "torchvision", "name": "resnet18"}, "gpus": ["A100-80GB"],
+                             "training": {"precision": "fp32", "distributed": {
+                                 "strategy": "fsdp", "world_size": 8, "fsdp": {"param_dtype": "bf16"}}}})
+    advice = job_of(request).plan.advice
+    assert (advice.compute, advice.compute_from) == ("bf16", "training.distributed.fsdp.param_dtype bf16")
+    card = custom_gpu("fast-card", (64 + 32 * 10) * MIB, "8.0", context_bytes=0)
+    card = dataclasses.replace(card, peak_tflops_bf16=312.0, peak_tflops_fp32=19.5)
+    response = answer(FakeSource(), [card], PlanOptions(reserve_bytes=0, advice=dataclasses.replace(
+        AdviceOptions(), compute=advice.compute, compute_from=advice.compute_from)))
+    # 1000 FLOPs per sample at the recommended batch 8, at 40 % of 312 TFLOP/s
+    assert response.results[0].step_seconds == pytest.approx(8 * 1000 / (312e12 * 0.4))
+    assert any("bf16 tensor-core peak (training.distributed.fsdp.param_dtype bf16)" in a
+               for a in response.assumptions)

@@ -158,6 +158,8 @@ def planner_assumptions(options: PlanOptions, results: list[GPUResult]) -> list[
         lines.append("recommended_batch_size: rounded down to a multiple of 8 (tensor cores) when that gives up "
                      "less than 10%")
     if any(r.step_seconds is not None for r in results):
-        lines.append(f"step time: the step's FLOPs at {options.advice.efficiency:.0%} of the card's peak (bf16 "
-                     "tensor cores for amp/bf16, fp32 otherwise)")
+        advice = options.advice
+        peak = f"{advice.compute} tensor-core peak" if advice.low_precision else "fp32 peak"
+        lines.append(f"step time: the step's FLOPs at {advice.efficiency:.0%} of the card's {peak} "
+                     f"({advice.compute_from})")
     return lines

@@ -84,8 +84,9 @@ def plan_of(request: EstimateRequest) -> PlanOptions:
     """What the planner is asked: the ``planner`` section, the batch, and the training choices it reads."""
     p, t = request.planner, request.training
     d = t.distributed
+    compute, compute_from = _compute_dtype(request)
     advice = AdviceOptions(
-        optimizer=t.optimizer.name, low_precision=t.precision != "fp32", curve_points=p.curve_points,
+        optimizer=t.optimizer.name, compute=compute, compute_from=compute_from, curve_points=p.curve_points,
         efficiency=p.efficiency, ranks=p.data_parallel_ranks, dataset_size=p.dataset_size,
         max_epoch_seconds=p.max_epoch_seconds, target_global_batch=p.target_global_batch, base_lr=p.base_lr,
         base_batch=p.base_batch,
@@ -98,6 +99,18 @@ def plan_of(request: EstimateRequest) -> PlanOptions:
         world_size=d.world_size if isinstance(d.world_size, int) else None,
         grad_accumulation_steps=t.grad_accumulation_steps, zero_grad_at=t.zero_grad_at, advice=advice, levers=levers,
     )
+
+
+def _compute_dtype(request: EstimateRequest) -> tuple[str, str]:
+    """The dtype the step's matmuls run in and the field that decides it: autocast's or pure bf16's
+    (``training.precision``), or FSDP's ``MixedPrecisionPolicy.param_dtype`` under fp32 (the blocks compute in
+    it: torchtitan's recipe)."""
+    precision = request.training.precision
+    param_dtype = request.training.distributed.fsdp.param_dtype
+    if precision == "fp32" and param_dtype in ("bf16", "fp16"):
+        return param_dtype, f"training.distributed.fsdp.param_dtype {param_dtype}"
+    compute = {"amp-bf16": "bf16", "bf16": "bf16", "amp-fp16": "fp16"}.get(precision, "fp32")
+    return compute, f"training.precision {precision}"
 
 
 def with_planner(request: EstimateRequest, **changes: Any) -> EstimateRequest:
