@@ -224,6 +224,18 @@ def get_gpu(name: str, field: str = "gpus") -> GPU:
     raise UnknownGPUError(field, name, list(dict.fromkeys(names))[:3])
 
 
+def shortfall(need_bytes: int, usable_bytes: int, batch: int, card: str) -> str:
+    """What a step needs against what a card has, in GiB, as the scheduler's filter says it.
+
+    >>> shortfall(166_939_754_496, 85_174_435_840, 1, "A100-80GB")
+    'needs 155.5 GiB at batch 1; A100-80GB has 79.3 GiB usable'
+    """
+    need, usable = f"{need_bytes / 2**30:.1f}", f"{usable_bytes / 2**30:.1f}"
+    if need == usable:  # rounded alike: show the difference
+        need, usable = f"{need_bytes / 2**30:.3f}", f"{usable_bytes / 2**30:.3f}"
+    return f"needs {need} GiB at batch {batch}; {card} has {usable} GiB usable"
+
+
 # The CUDA context of a card the catalog does not know: what most catalog rows have.
 DEFAULT_CONTEXT_BYTES = 450 * MIB
 

@@ -91,6 +91,7 @@ class Levers:
     precision: str = "fp32"
     optimizer: str = "adamw"
     momentum: bool = False  # SGD with momentum keeps a state per parameter
+    foreach: bool | None = None  # optimizer.foreach as the request sets it (None: PyTorch's default)
     strategy: str = "none"
 
 

@@ -333,15 +333,24 @@ def test_world_size_auto_finds_the_fewest_ranks() -> None:
     assert response.results[0] == response.results[2]
     r = response.results[0]
     assert r.min_world_size is not None and r.min_world_size > 1
-    assert r.world_size == r.min_world_size and r.max_batch_size is not None
-    fewer = estimate(parse_request({**request.model_dump(mode="json", by_alias=True, exclude_none=True),
-                                    "gpus": [card], "training": {"distributed": {
-                                        "strategy": "fsdp", "world_size": r.min_world_size - 1}}}))
-    assert fewer.results[0].max_batch_size is None
+    # the answer is at the fewest ranks at which a batch is recommended (the headroom met), at least as many
+    assert r.recommended_world_size is not None and r.recommended_world_size >= r.min_world_size
+    assert r.world_size == r.recommended_world_size and r.recommended_batch_size is not None
+
+    def at(world: int):
+        return estimate(parse_request({**request.model_dump(mode="json", by_alias=True, exclude_none=True),
+                                       "gpus": [card], "training": {"distributed": {
+                                           "strategy": "fsdp", "world_size": world}}})).results[0]
+    assert at(r.min_world_size - 1).max_batch_size is None
+    if r.recommended_world_size > r.min_world_size:
+        assert at(r.recommended_world_size - 1).recommended_batch_size is None
 
 
 @pytest.mark.sim_slow  # several world sizes, each its own simulations
 def test_single_gpu_that_does_not_fit_gets_checked_suggestions() -> None:
+    """gpt2 on a 2.5 GB card: no single lever leaves room for the headroom, so the suggestions are their
+    combination and FSDP; each, applied, gives the recommended batch it says (suggestions land on a
+    recommended batch, not on a bare fit)."""
     card = {"name": "small-card", "memory_bytes": int(2.5 * 2**30), "compute_capability": "8.0"}
     # a second card whose name contains the first's: each warning names its own card's fix, once
     longer = {**card, "name": "small-card-2"}
@@ -351,17 +360,25 @@ def test_single_gpu_that_does_not_fit_gets_checked_suggestions() -> None:
     r = response.results[0]
     assert r.max_batch_size is None
     changes = [s.change for s in r.suggestions]
-    assert {"training.precision": "bf16"} in changes
+    assert {"training.gradient_checkpointing": True, "training.optimizer.foreach": False,
+            "training.precision": "bf16"} in changes
     assert any(c.get("training.distributed.strategy") == "fsdp" for c in changes)
     unfit = [w.message for w in response.warnings if w.code == "does-not-fit"]
-    assert len(unfit) == 2 and all(m.count("it fits with") == 1 for m in unfit)
+    assert len(unfit) == 2 and all(m.count("it fits with") == 1 and "GiB usable" in m for m in unfit)
     assert response.results[1].suggestions == r.suggestions  # alike cards: the same checked changes
-    # the FSDP suggestion really fits: apply it and simulate
-    world = next(c for c in changes if "training.distributed.world_size" in c)["training.distributed.world_size"]
-    checked = estimate(parse_request({**request.model_dump(mode="json", by_alias=True, exclude_none=True),
-                                      "gpus": [card], "training": {"distributed": {"strategy": "fsdp",
-                                                                                   "world_size": world}}}))
-    assert checked.results[0].max_batch_size is not None
+    # each suggestion, applied, recommends the batch it says
+    for suggestion in r.suggestions:
+        doc = request.model_dump(mode="json", by_alias=True, exclude_none=True)
+        doc["gpus"] = [card]
+        for path, value in suggestion.change.items():
+            *parents, last = path.split(".")
+            at = doc
+            for name in parents:
+                at = at.setdefault(name, {})
+            at[last] = value
+        checked = estimate(parse_request(doc)).results[0]
+        assert checked.recommended_batch_size == suggestion.recommended_batch_size is not None
+        assert checked.max_batch_size == suggestion.max_batch_size
 
 
 def test_affine_traces_and_profiles_keep_streams() -> None:

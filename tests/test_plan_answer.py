@@ -63,7 +63,9 @@ def test_a_card_that_does_not_fit_batch_one_is_named_with_its_batch() -> None:
                                                          suggestions=False))
     assert response.results[0].max_batch_size is None
     assert [(w.code, w.message) for w in response.warnings] == [
-        (WarningCode.DOES_NOT_FIT, "fake does not fit on tiny-card even at batch 1")]
+        # 64 + 32 MiB at batch 1 against 80 MiB usable
+        (WarningCode.DOES_NOT_FIT, "fake does not fit on tiny-card even at batch 1: needs 0.094 GiB at batch 1; "
+                                   "tiny-card has 0.078 GiB usable")]
 
 
 def test_step_time_under_fsdp_mixed_precision_uses_the_16_bit_peak() -> None:
@@ -86,3 +88,84 @@ def test_step_time_under_fsdp_mixed_precision_uses_the_16_bit_peak() -> None:
     assert response.results[0].step_seconds == pytest.approx(8 * 1000 / (312e12 * 0.4))
     assert any("bf16 tensor-core peak (training.distributed.fsdp.param_dtype bf16)" in a
                for a in response.assumptions)
+
+
+class FakeJob(FakeSource):
+    """The fake step as a request change makes it: checkpointing keeps 12 MiB of activations per sample instead
+    of 32, pure bf16 halves the parameters (and their state: here one 64 MiB block), FSDP shards them. (Sizes of
+    10 MiB and more get segments of their own size, rounded to 2 MiB: CUDACachingAllocator.cpp,
+    get_allocation_size.)"""
+
+    def __init__(self, change: dict) -> None:
+        super().__init__()
+        self.change = change
+
+    def simulate(self, batch: int, gpu: GPU) -> tuple[Trace, int]:
+        params = 64 * MIB // (2 if self.change.get("training.precision") == "bf16" else 1)
+        params //= self.change.get("training.distributed.world_size", 1)
+        per_sample = (12 if self.change.get("training.gradient_checkpointing") else 32) * MIB
+        allocations = [Allocation(params, Phase.SETUP, "", "empty", 0, Category.PARAMETER),
+                       Allocation(per_sample * batch, Phase.FORWARD, "fc", "mm", 1, Category.ACTIVATION)]
+        return Trace(allocations, [(True, 0), (True, 1), (False, 1)], flops=1000 * batch), 1
+
+
+def _suggested(card: GPU, options: PlanOptions):
+    made: list[dict] = []
+
+    def source_for(change):
+        made.append(dict(change))
+        return FakeJob(dict(change))
+    return answer(FakeJob({}), [card], options, source_for=source_for), made
+
+
+def test_suggestions_land_on_a_recommended_batch_and_say_what_they_reach() -> None:
+    # usable 96 MiB: batch 1 needs 96 (fits, max 1) but the headroom holds 86.4: no recommendation
+    card = custom_gpu("card-96", 96 * MIB, "8.0", context_bytes=0)
+    response, _ = _suggested(card, PlanOptions(reserve_bytes=0, confirm=ConfirmMode.NONE))
+    result = response.results[0]
+    assert (result.max_batch_size, result.recommended_batch_size) == (1, None)
+    # checkpointing: 64 + 12 b: max 2 (88), recommended 1 (76 <= 86.4); pure bf16: 32 + 32 b: max 2 (96),
+    # recommended 1 (64); FSDP over 2 ranks: 32 + 32 b per rank, as bf16. foreach and SGD change nothing here.
+    assert [(s.description.split(" (")[0], s.max_batch_size, s.recommended_batch_size, s.world_size)
+            for s in result.suggestions] == [("gradient checkpointing", 2, 1, 1), ("pure bf16", 2, 1, 1),
+                                             ("FSDP", 2, 1, 2)]
+    assert result.suggestions[-1].change == {"training.distributed.strategy": "fsdp",
+                                             "training.distributed.world_size": 2}
+    warning = next(w for w in response.warnings if w.code == WarningCode.NO_RECOMMENDATION)
+    assert "; a batch is recommended with gradient checkpointing" in warning.message
+    assert "(max 2, recommended 1)" in warning.message and "over 2 ranks (max 2, recommended 1 per rank)" \
+        in warning.message
+
+
+def test_a_card_no_single_change_lands_on_gets_their_combination() -> None:
+    # usable 50 MiB, 45 within the headroom: checkpointing alone needs 64 + 12 = 76, pure bf16 32 + 32 = 64;
+    # together 32 + 12 = 44 lands. Plain FSDP doubles the ranks: 2 and 4 leave 32 and 16 MiB shards (64, 48);
+    # 8 to 32 leave shards under 10 MiB, which take a 20 MiB segment each (52); 64 leave 1 MiB, a 2 MiB
+    # small-pool segment (34): the search lands at 64 (bisecting 33-63 finds no fewer)
+    card = custom_gpu("card-50", 50 * MIB, "8.0", context_bytes=0)
+    response, _ = _suggested(card, PlanOptions(reserve_bytes=0, confirm=ConfirmMode.NONE))
+    result = response.results[0]
+    assert result.max_batch_size is None
+    stack, fsdp = result.suggestions
+    assert stack.change == {"training.gradient_checkpointing": True, "training.optimizer.foreach": False,
+                            "training.precision": "bf16"}
+    assert stack.description == "gradient checkpointing + optimizer.foreach false + pure bf16"
+    assert (stack.max_batch_size, stack.recommended_batch_size) == (1, 1)
+    assert fsdp.world_size == 64 and fsdp.change == {"training.distributed.strategy": "fsdp",
+                                                     "training.distributed.world_size": 64}
+    warning = next(w for w in response.warnings if w.code == WarningCode.DOES_NOT_FIT)
+    assert warning.message.startswith("fake does not fit on card-50 even at batch 1: needs 0.1 GiB at batch 1; "
+                                      "card-50 has 0.0 GiB usable; it fits with gradient checkpointing + ")
+
+
+def test_fsdp_takes_the_levers_it_needs_when_ranks_alone_are_not_enough() -> None:
+    # usable 34 MiB, 30.6 within the headroom: 32 MiB of activations per sample never fit however many ranks
+    # shard the parameters; every lever together needs 32 + 12 = 44; FSDP with them: 32 / 2 + 12 = 28 at 2
+    # ranks, and with checkpointing alone 64 / 2 + 12 = 44, with bf16 alone 16 + 32: both are needed
+    card = custom_gpu("card-34", 34 * MIB, "8.0", context_bytes=0)
+    response, made = _suggested(card, PlanOptions(reserve_bytes=0, confirm=ConfirmMode.NONE))
+    (fsdp,) = response.results[0].suggestions
+    assert fsdp.change == {"training.gradient_checkpointing": True, "training.precision": "bf16",
+                           "training.distributed.strategy": "fsdp", "training.distributed.world_size": 2}
+    assert fsdp.description == "FSDP (fully_shard per block) over 2 ranks + gradient checkpointing + pure bf16"
+    assert {"training.distributed.strategy": "fsdp", "training.distributed.world_size": 1024} in made  # tried

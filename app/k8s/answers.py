@@ -30,6 +30,7 @@ from app.routes import Refused, run_in_pool
 from app.worker import ReplyKind
 from estimator import EstimateRequest, parse_request
 from estimator.errors import BatchfitError, LimitExceeded, SpecError
+from estimator.gpus import shortfall
 
 MEMORY_ENTRIES = 4096  # answers kept in this process besides the service's cache (which may be off)
 FAILURE_TTL_S = 300.0
@@ -61,11 +62,8 @@ class Answer:
 
     def shortfall(self) -> str:
         """One line: ``needs 21.7 GiB at batch 64; Tesla-T4 has 14.5 GiB usable``."""
-        need, usable = gib(self.need_bytes), gib(self.usable_bytes)
-        if need == usable:  # rounded alike: show the difference
-            need, usable = gib(self.need_bytes, 3), gib(self.usable_bytes, 3)
         note = f" ({self.card.note})" if self.card.note else ""
-        return f"needs {need} GiB at batch {self.memory['batch_size']}; {self.card.label} has {usable} GiB usable{note}"
+        return shortfall(self.need_bytes, self.usable_bytes, self.memory["batch_size"], self.card.label) + note
 
 
 @dataclass(frozen=True)
@@ -77,10 +75,6 @@ class Failure:
 
 
 Found = dict[str, Answer | Failure]  # by card key
-
-
-def gib(n: int, digits: int = 1) -> str:
-    return f"{n / 2**30:.{digits}f}"
 
 
 class Estimates:

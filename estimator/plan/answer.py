@@ -22,7 +22,7 @@ from typing import Any
 
 from estimator import __version__, torch_version
 from estimator.errors import BatchTooSmallError, SpecError
-from estimator.gpus import CATALOG_VERSION, GPU
+from estimator.gpus import CATALOG_VERSION, GPU, shortfall
 from estimator.options import PlanOptions
 from estimator.plan.advice import advise
 from estimator.plan.notes import Notes
@@ -49,11 +49,12 @@ def answer(source: StepSource, cards: list[GPU], options: PlanOptions, *, source
     notes = Notes()
     start = smallest_batch(steps, cards[0], notes)
     response = answer_at(steps, cards, options, start, notes, t0)
-    if options.strategy == "none" and options.suggestions and any(r.max_batch_size is None for r in
-                                                                  response.results):
-        from estimator.plan.worlds import Suggester, with_suggestions
+    if options.strategy == "none" and options.suggestions and any(r.recommended_batch_size is None
+                                                                  for r in response.results):
+        from estimator.plan.suggest import Suggester, with_suggestions
 
-        suggester = Suggester(_factory(source_for, "planner.suggestions"), options, start)
+        suggester = Suggester(_factory(source_for, "planner.suggestions"), options, start,
+                              text_model="seq_len" in steps.model.input)
         response = with_suggestions(response, suggester, cards, notes, t0)
     if options.max_seq_len:
         from estimator.plan.seq_len import with_max_seq_len
@@ -102,7 +103,9 @@ def answer_at(steps: Steps, cards: list[GPU], options: PlanOptions, start: int, 
             notes.add(WarningCode.BATCH_SIZE_DOES_NOT_FIT, f"batch_size {batch_size} does not fit on {card.name}",
                       card=card.name, batch=batch_size)
         if best is None:
-            notes.add(WarningCode.DOES_NOT_FIT, f"{model.name} does not fit on {card.name} even at batch {start}",
+            need = steps.report(start, card, exact=False).reserved_peak_bytes
+            notes.add(WarningCode.DOES_NOT_FIT, f"{model.name} does not fit on {card.name} even at batch {start}: "
+                      f"{shortfall(need, card.usable_bytes(options.reserve_bytes), start, card.name)}",
                       card=card.name, batch=start)
         assumptions.extend(line for line in report.assumptions if line not in assumptions)
         rec, shrunk, gap = recommend(steps, card, start, best, options.headroom, align=options.align, gap=gap)

@@ -58,13 +58,18 @@ class Note:
 
 @dataclass(frozen=True)
 class Suggestion:
-    """A change to the request with which the smallest batch fits a card that it did not fit, checked
-    by a full simulation."""
+    """A change to the request with which a card that had no recommended batch gets one (the headroom met),
+    checked by full simulations; the max and recommended batch (per rank) it reaches there."""
 
     change: Annotated[dict[str, Any], Field(description="request fields (dotted paths) and their new values, "
                                             "e.g. {'training.gradient_checkpointing': true}")]
     description: Annotated[str, Field(description="the change in words, e.g. 'FSDP (fully_shard per block) "
-                                      "over 4 ranks'; with it the smallest batch fits the card")]
+                                      "over 4 ranks'; with it a batch is recommended on the card")]
+    max_batch_size: Annotated[int | None, Field(description="the max batch with the change")] = None
+    recommended_batch_size: Annotated[int | None, Field(description="the recommended batch with the change")] = None
+    world_size: Annotated[int, Field(description="ranks with the change (the batches are per rank)")] = 1
+    changes_method: Annotated[bool, Field(description="the change trains another way (adapters, an 8-bit "
+                                          "optimizer), not only with another recipe: check its quality")] = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,9 +109,14 @@ class GPUResult:
     min_world_size: Annotated[int | None, Field(description="with world_size 'auto': the fewest ranks (up to "
                                                 "1024) at which the smallest batch fits this card; null when "
                                                 "not even 1024 do")] = None
-    suggestions: Annotated[list[Suggestion], Field(description="when not even the smallest batch fits one GPU: "
-                                                   "changes with which it fits, cheapest first, each checked by "
-                                                   "a simulation")] = field(default_factory=list)
+    recommended_world_size: Annotated[int | None, Field(
+        description="with world_size 'auto': the fewest ranks (up to 1024) at which a batch is recommended (the "
+                    "headroom met) on this card, the world this result answers at; null when not even 1024 do "
+                    "(the result then answers at min_world_size)")] = None
+    suggestions: Annotated[list[Suggestion], Field(description="when one GPU recommends no batch (not even the "
+                                                   "smallest fits with the headroom): changes with which one is "
+                                                   "recommended, cheapest first, each checked by simulations")] = \
+        field(default_factory=list)
 
 
 @dataclass(frozen=True)

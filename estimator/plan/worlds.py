@@ -25,14 +25,15 @@ from estimator.gpus import GPU
 from estimator.options import MAX_WORLD_SIZE, PlanOptions
 from estimator.plan.answer import answer_at, provenance, smallest_batch
 from estimator.plan.notes import Notes
-from estimator.plan.results import EstimateResponse, GPUResult, Suggestion, WarningCode
+from estimator.plan.results import EstimateResponse, GPUResult, WarningCode
 from estimator.plan.search import bisect
 from estimator.plan.steps import Steps, StepSource
+from estimator.plan.strategy import headroom_card
 
 if TYPE_CHECKING:
     from estimator.plan.answer import SourceFor
 
-_WORLD = "training.distributed.world_size"
+WORLD = "training.distributed.world_size"
 
 
 class Worlds:
@@ -48,30 +49,39 @@ class Worlds:
 
     def steps(self, world_size: int) -> Steps:
         if world_size not in self._steps:
-            source = self.source_for({**self.base, _WORLD: world_size})
+            source = self.source_for({**self.base, WORLD: world_size})
             self._steps[world_size] = Steps(source, self.reserve_bytes)
         return self._steps[world_size]
 
-    def fits(self, world_size: int, card: GPU, batch: int) -> bool:
-        return self.steps(world_size).report(batch, card).fits
+    def fits(self, world_size: int, card: GPU, batch: int, headroom: float | None = None) -> bool:
+        """``batch`` fits ``card`` over ``world_size`` ranks; with ``headroom``, within it (a batch is
+        recommended there)."""
+        steps = self.steps(world_size)
+        if headroom is not None:
+            card = headroom_card(card, steps.reserve_bytes, headroom)
+        return steps.report(batch, card).fits
 
-    def min_world(self, card: GPU, batch: int, limit: int = MAX_WORLD_SIZE, least: int = 1) -> int | None:
-        """The fewest ranks (``least`` to ``limit``) at which ``batch`` fits ``card``; None when not even
-        ``limit`` do."""
+    def min_world(self, card: GPU, batch: int, *, limit: int = MAX_WORLD_SIZE, least: int = 1,
+                  headroom: float | None = None) -> int | None:
+        """The fewest ranks (``least`` to ``limit``) at which ``batch`` fits ``card`` (within ``headroom`` when
+        given); None when not even ``limit`` do."""
+        def fits(w: int) -> bool:
+            return self.fits(w, card, batch, headroom)
+
         if least == 1:
-            if self.fits(1, card, batch):
+            if fits(1):
                 return 1
             if self.strategy == "ddp":
                 return None  # every rank holds the whole step
             lo, hi = 1, 2
         else:
             lo, hi = least - 1, least
-        while not self.fits(hi, card, batch):
+        while not fits(hi):
             if hi >= limit:
                 return None
             lo, hi = hi, min(2 * hi, limit)
         # the largest world in [lo, hi) that does not fit, and one more
-        return bisect(lambda w: not self.fits(w, card, batch), lo, hi) + 1
+        return bisect(lambda w: not fits(w), lo, hi) + 1
 
     @property
     def simulations(self) -> int:
@@ -81,19 +91,23 @@ class Worlds:
 def answer_auto(source_for: SourceFor, source: StepSource, cards: list[GPU], options: PlanOptions,
                 t0: float) -> EstimateResponse:
     """``world_size: "auto"``: per card the fewest ranks at which the smallest batch (or ``batch_size``) fits,
-    and the answer there; ``source`` is the step of one rank."""
+    the fewest at which a batch is recommended (the headroom met), and the answer there (at the first when no
+    world recommends one); ``source`` is the step of one rank."""
     worlds = Worlds(source_for, options.reserve_bytes, options.strategy, first=source)
     notes = Notes()
     start = smallest_batch(worlds.steps(1), cards[0], notes)
     if options.batch_size is not None and options.batch_size < start:
         raise SpecError("batch_size", options.batch_size, f"at least {start}")
     at = options.batch_size or start  # the fewest ranks at which this batch fits
-    chosen = [worlds.min_world(card, at) for card in cards]
+    fitting = [worlds.min_world(card, at) for card in cards]
+    recommending = [None if w is None else worlds.min_world(card, at, least=w, headroom=options.headroom)
+                    for card, w in zip(cards, fitting, strict=True)]
     # a card no world fits is answered at the largest world tried (one rank for DDP, which shards nothing)
     unfit = 1 if options.strategy == "ddp" else MAX_WORLD_SIZE
+    chosen = [rec or fit or unfit for fit, rec in zip(fitting, recommending, strict=True)]
     groups: dict[int, list[int]] = {}
     for i, world in enumerate(chosen):
-        groups.setdefault(world or unfit, []).append(i)
+        groups.setdefault(world, []).append(i)
     parts: dict[int, EstimateResponse] = {}
     merged = Notes()
     for w, members in groups.items():
@@ -105,17 +119,20 @@ def answer_auto(source_for: SourceFor, source: StepSource, cards: list[GPU], opt
     results: list[GPUResult | None] = [None] * len(cards)
     for w, members in groups.items():
         for i, result in zip(members, parts[w].results, strict=True):
-            results[i] = dataclasses.replace(result, min_world_size=chosen[i])
-    first = parts[chosen[0] or unfit]
+            results[i] = dataclasses.replace(result, min_world_size=fitting[i],
+                                             recommended_world_size=recommending[i])
+    first = parts[chosen[0]]
     assumptions: list[str] = []
     for part in parts.values():
         assumptions.extend(a for a in part.assumptions if a not in assumptions)
     assumptions.append(f"world_size 'auto': per card the fewest ranks (1 to {MAX_WORLD_SIZE}) at which batch "
-                       f"{at} fits, found by doubling then bisection on full simulations of one rank"
+                       f"{at} fits (min_world_size) and at which a batch is recommended with the headroom "
+                       "(recommended_world_size, the world each result answers at), found by doubling then "
+                       "bisection on full simulations of one rank"
                        + ("; DDP keeps the whole step on every rank, so only one rank is tried"
                           if options.strategy == "ddp" else ""))
-    for card, world in zip(cards, chosen, strict=True):
-        if world is None:
+    for card, least in zip(cards, fitting, strict=True):
+        if least is None:
             merged.drop(WarningCode.DOES_NOT_FIT, card=card.name)
             across = "on one rank: DDP keeps the whole step on every rank" if options.strategy == "ddp" else \
                 f"over {MAX_WORLD_SIZE} ranks of {options.strategy}"
@@ -123,68 +140,3 @@ def answer_auto(source_for: SourceFor, source: StepSource, cards: list[GPU], opt
                        f"on {card.name} at batch {at} even {across}", card=card.name, batch=at)
     return dataclasses.replace(first, results=[r for r in results if r is not None], assumptions=assumptions,
                                warnings=merged.warnings(), provenance=provenance(worlds.simulations, t0))
-
-
-class Suggester:
-    """Changes with which the smallest batch fits a card that a single-GPU step does not fit, cheapest first,
-    each checked by a full simulation. The order: gradient checkpointing (recomputes the forward, about a third
-    more compute), pure bf16 (half the bytes of every state), an optimizer without state (SGD without
-    momentum), then FSDP over the fewest ranks that fit. The steps of each change are shared by the cards
-    (cards that simulate alike share traces)."""
-
-    def __init__(self, source_for: SourceFor, options: PlanOptions, batch: int) -> None:
-        self.source_for = source_for
-        self.batch = batch
-        self.reserve_bytes = options.reserve_bytes
-        levers = options.levers
-        self.tries: list[tuple[dict[str, Any], str]] = []
-        if not levers.checkpointing:
-            self.tries.append(({"training.gradient_checkpointing": True}, "gradient checkpointing"))
-        if levers.precision != "bf16":
-            self.tries.append(({"training.precision": "bf16"}, "pure bf16 (weights, gradients and optimizer state)"))
-        if not (levers.optimizer == "sgd" and not levers.momentum):
-            self.tries.append(({"training.optimizer": {"name": "sgd"}}, "SGD without momentum (no optimizer state)"))
-        self._steps: dict[int, Steps] = {}
-        self.worlds = Worlds(source_for, options.reserve_bytes, "fsdp",
-                             base={"training.distributed.strategy": "fsdp"})
-
-    def _fits(self, i: int, card: GPU) -> bool:
-        try:
-            if i not in self._steps:
-                self._steps[i] = Steps(self.source_for(self.tries[i][0]), self.reserve_bytes)
-            return self._steps[i].report(self.batch, card).fits
-        except SpecError:
-            return False  # not applicable to this model (no blocks to checkpoint)
-
-    def for_card(self, card: GPU) -> list[Suggestion]:
-        out = [Suggestion(change, text) for i, (change, text) in enumerate(self.tries) if self._fits(i, card)]
-        world = self.worlds.min_world(card, self.batch, least=2)  # one rank is the step that did not fit
-        if world is not None:
-            out.append(Suggestion({"training.distributed.strategy": "fsdp", _WORLD: world},
-                                  f"FSDP (fully_shard per block) over {world} ranks"))
-        return out
-
-    @property
-    def simulations(self) -> int:
-        return sum(s.simulations for s in self._steps.values()) + self.worlds.simulations
-
-
-def with_suggestions(response: EstimateResponse, suggester: Suggester, cards: list[GPU], notes: Notes,
-                     t0: float) -> EstimateResponse:
-    """A single-GPU answer whose smallest batch does not fit some card, with what would make it fit, each change
-    checked by a simulation; each such card's does-not-fit warning names the first (and the others)."""
-    results = []
-    for card, result in zip(cards, response.results, strict=True):
-        if result.max_batch_size is not None:
-            results.append(result)
-            continue
-        found = suggester.for_card(card)
-        results.append(dataclasses.replace(result, suggestions=found))
-        unfit = notes.find(WarningCode.DOES_NOT_FIT, card=card.name)
-        if found and unfit is not None:
-            notes.reword(unfit, f"{unfit.message}; it fits with {found[0].description}"
-                         + (f" (or: {'; '.join(s.description for s in found[1:])})" if len(found) > 1 else ""))
-    simulations = response.provenance.simulations + suggester.simulations
-    return dataclasses.replace(response, results=results, warnings=notes.warnings(),
-                               provenance=provenance(simulations, t0))
-

@@ -92,7 +92,7 @@ def plan_of(request: EstimateRequest) -> PlanOptions:
         base_batch=p.base_batch,
     )
     levers = Levers(checkpointing=bool(t.gradient_checkpointing), precision=t.precision, optimizer=t.optimizer.name,
-                    momentum=bool(t.optimizer.momentum), strategy=d.strategy)
+                    momentum=bool(t.optimizer.momentum), foreach=t.optimizer.foreach, strategy=d.strategy)
     return PlanOptions(
         batch_size=request.batch_size, align=p.align, confirm=ConfirmMode(p.confirm), reserve_bytes=p.reserve_bytes,
         headroom=p.headroom, suggestions=p.suggestions, max_seq_len=p.max_seq_len, strategy=d.strategy,

@@ -1,0 +1,193 @@
+"""What to change when one GPU recommends no batch: the levers a practitioner pulls, each checked by simulation.
+
+>>> suggester = Suggester(source_for, options, start=1, text_model=True)   # doctest: +SKIP
+>>> [s.description for s in suggester.for_card(get_gpu("A100-80GB"))]
+['gradient checkpointing (...)', 'optimizer.foreach false (...)', 'FSDP (fully_shard per block) over 2 ranks']
+
+A lever lands on a card when the smallest batch fits there with the
+planner's headroom (the recommendation's test, a replay of the same
+simulation), so applying it gives a ``recommended_batch_size``; each
+suggestion then reports the max and recommended batch it reaches. The levers,
+cheapest first: gradient checkpointing (recomputes the forward), the
+optimizer one parameter at a time (``foreach: false``: no parameter-sized
+temporaries at the step), pure bf16 (half the bytes of every state), an
+optimizer with less state (Adafactor for a text model, SGD without momentum
+for others), then FSDP over the fewest ranks at which a batch is
+recommended. When no single lever lands, their cumulative stack is tried
+(checkpointing + foreach off + bf16 + ...), and FSDP with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from estimator.errors import SpecError
+from estimator.gpus import GPU
+from estimator.options import PlanOptions
+from estimator.plan.answer import provenance
+from estimator.plan.notes import Notes
+from estimator.plan.results import EstimateResponse, Suggestion, WarningCode
+from estimator.plan.steps import Steps
+from estimator.plan.strategy import headroom_card, max_batches, recommend
+from estimator.plan.worlds import WORLD, Worlds
+
+if TYPE_CHECKING:
+    from estimator.plan.answer import SourceFor
+
+FOREACH_OPTIMIZERS = frozenset({"sgd", "adam", "adamw", "adagrad", "rmsprop", "adafactor"})
+
+
+@dataclass(frozen=True)
+class Lever:
+    """One change to the request; ``method``: it trains another way, not only with another recipe."""
+
+    change: Mapping[str, Any]
+    text: str
+    method: bool = False
+
+
+def levers(options: PlanOptions, text_model: bool) -> list[Lever]:
+    """The recipe's levers that the request has not pulled yet, cheapest first."""
+    pulled = options.levers
+    out = []
+    if not pulled.checkpointing:
+        out.append(Lever({"training.gradient_checkpointing": True},
+                         "gradient checkpointing (recomputes the forward in backward: about a third more compute)"))
+    if pulled.optimizer in FOREACH_OPTIMIZERS and pulled.foreach is not False:
+        out.append(Lever({"training.optimizer.foreach": False}, "optimizer.foreach false (the step updates one "
+                         "parameter at a time: no parameter-sized temporaries, a slower step)"))
+    if pulled.precision != "bf16":
+        out.append(Lever({"training.precision": "bf16"}, "pure bf16 (weights, gradients and optimizer state in "
+                         "bf16: half the bytes, no fp32 master weights)"))
+    if text_model and pulled.optimizer != "adafactor":
+        out.append(Lever({"training.optimizer.name": "adafactor"}, "Adafactor (factored second moments: a "
+                         "fraction of Adam's state)"))
+    if not text_model and not (pulled.optimizer == "sgd" and not pulled.momentum):
+        out.append(Lever({"training.optimizer": {"name": "sgd"}}, "SGD without momentum (no optimizer state)"))
+    return out
+
+
+def stacked(chosen: list[Lever]) -> Lever:
+    """The levers pulled together: their changes in one, their words joined."""
+    change: dict[str, Any] = {}
+    for lever in chosen:
+        for path, value in lever.change.items():
+            if path == "training.optimizer":  # a whole optimizer section keeps the options set before it
+                within = {k: v for k, v in change.items() if k.startswith("training.optimizer.")}
+                value = {**{k.rsplit(".", 1)[1]: v for k, v in within.items()}, **value}
+                change = {k: v for k, v in change.items() if k not in within}
+            change[path] = value
+    return Lever(change, " + ".join(lever.text.split(" (")[0] for lever in chosen), any(x.method for x in chosen))
+
+
+class Suggester:
+    """Checked changes for the cards of one answer that recommend no batch; the steps of each change are shared
+    by the cards (cards that simulate alike share traces)."""
+
+    def __init__(self, source_for: SourceFor, options: PlanOptions, start: int, text_model: bool) -> None:
+        self.source_for, self.options, self.start = source_for, options, start
+        self.levers = levers(options, text_model)
+        self._steps: dict[str, Steps] = {}
+        self._worlds: dict[str, Worlds] = {}
+
+    def _of(self, lever: Lever) -> Steps | None:
+        key = repr(sorted(lever.change.items()))
+        if key not in self._steps:
+            try:
+                self._steps[key] = Steps(self.source_for(lever.change), self.options.reserve_bytes)
+            except SpecError:
+                return None  # a change this job cannot take
+        return self._steps[key]
+
+    def _lands(self, lever: Lever, card: GPU) -> bool:
+        """A batch is recommended with ``lever``: the smallest fits within the headroom."""
+        steps = self._of(lever)
+        if steps is None:
+            return False
+        try:
+            return steps.report(self.start, headroom_card(card, steps.reserve_bytes, self.options.headroom)).fits
+        except SpecError:
+            return False  # not applicable to this model (no blocks to checkpoint)
+
+    def _suggestion(self, lever: Lever, card: GPU) -> Suggestion:
+        steps = self._of(lever)
+        assert steps is not None  # it landed
+        (best, _), = max_batches(steps, [card], self.start, self.options.confirm, Notes())
+        rec, _, _ = recommend(steps, card, self.start, best, self.options.headroom, align=self.options.align)
+        return Suggestion(dict(lever.change), lever.text, best, rec, changes_method=lever.method)
+
+    def _worlds_of(self, base: Lever) -> Worlds:
+        key = repr(sorted(base.change.items()))
+        if key not in self._worlds:
+            self._worlds[key] = Worlds(self.source_for, self.options.reserve_bytes, "fsdp",
+                                       base={**base.change, "training.distributed.strategy": "fsdp"})
+        return self._worlds[key]
+
+    def _fsdp(self, chosen: list[Lever], card: GPU) -> Suggestion | None:
+        """FSDP (with the ``chosen`` levers) over the fewest ranks (2 to 1024) at which a batch is recommended;
+        then, at that world, the levers it does not need dropped (the last first: the most expensive)."""
+        world = self._worlds_of(stacked(chosen)).min_world(card, self.start, least=2, headroom=self.options.headroom)
+        if world is None:
+            return None
+        kept = list(chosen)
+        for lever in reversed(chosen):
+            fewer = [x for x in kept if x is not lever]
+            if self._worlds_of(stacked(fewer)).fits(world, card, self.start, self.options.headroom):
+                kept = fewer
+        base = stacked(kept)
+        steps = self._worlds_of(base).steps(world)
+        (best, _), = max_batches(steps, [card], self.start, self.options.confirm, Notes())
+        rec, _, _ = recommend(steps, card, self.start, best, self.options.headroom, align=self.options.align)
+        words = f"FSDP (fully_shard per block) over {world} ranks" + (f" + {base.text}" if base.change else "")
+        change = {**base.change, "training.distributed.strategy": "fsdp", WORLD: world}
+        return Suggestion(change, words, best, rec, world, changes_method=base.method)
+
+    def for_card(self, card: GPU) -> list[Suggestion]:
+        """The checked changes for ``card``, cheapest first: each single lever that lands, else their first stack
+        that does; then FSDP over the fewest ranks (with that stack when FSDP alone is not enough)."""
+        out = [self._suggestion(lever, card) for lever in self.levers if self._lands(lever, card)]
+        stack = Lever({}, "")
+        if not out:
+            for n in range(2, len(self.levers) + 1):
+                stack = stacked(self.levers[:n])
+                if self._lands(stack, card):
+                    out.append(self._suggestion(stack, card))
+                    break
+        fsdp = self._fsdp([], card)
+        if fsdp is None and not out and len(self.levers) > 1:
+            fsdp = self._fsdp(self.levers, card)
+        return out + ([fsdp] if fsdp is not None else [])
+
+    @property
+    def simulations(self) -> int:
+        return sum(s.simulations for s in self._steps.values()) + sum(w.simulations for w in self._worlds.values())
+
+
+def _words(s: Suggestion) -> str:
+    per = " per rank" if s.world_size > 1 else ""
+    return f"{s.description} (max {s.max_batch_size}, recommended {s.recommended_batch_size}{per})"
+
+
+def with_suggestions(response: EstimateResponse, suggester: Suggester, cards: list[GPU], notes: Notes,
+                     t0: float) -> EstimateResponse:
+    """A single-GPU answer with what would give each card that recommends no batch a recommended one; each such
+    card's warning names the first change (and the others) and the batches they reach."""
+    results = []
+    for card, result in zip(cards, response.results, strict=True):
+        if result.recommended_batch_size is not None:
+            results.append(result)
+            continue
+        found = suggester.for_card(card)
+        results.append(dataclasses.replace(result, suggestions=found))
+        unfit = result.max_batch_size is None
+        entry = notes.find(WarningCode.DOES_NOT_FIT if unfit else WarningCode.NO_RECOMMENDATION, card=card.name)
+        if found and entry is not None:
+            lead = "it fits with" if unfit else "a batch is recommended with"
+            others = f" (or: {'; '.join(_words(s) for s in found[1:])})" if len(found) > 1 else ""
+            notes.reword(entry, f"{entry.message}; {lead} {_words(found[0])}{others}")
+    simulations = response.provenance.simulations + suggester.simulations
+    return dataclasses.replace(response, results=results, warnings=notes.warnings(),
+                               provenance=provenance(simulations, t0))
