@@ -213,3 +213,13 @@ def test_the_service_process_loads_no_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_the_model_listing_survives_the_sources_package_being_imported() -> None:
+    """``estimator.models.sources`` is a package; importing it binds that name on ``estimator.models``, which
+    must not shadow what the listing calls (GET /models)."""
+    code = ("import estimator.models.sources.timm, estimator.models as m; "
+            "print(sorted(m.model_sources()))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "['timm', 'torchvision', 'transformers']"

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from estimator.models.registry import source_of, sources
+from estimator.models import registry
 
 if TYPE_CHECKING:
     import torch
@@ -64,10 +64,12 @@ class BuiltModel:
 
 def build(model: Any, inp: InputSpec) -> BuiltModel:
     """Build a request's ``model`` section on the meta device for ``inp`` (checks names, kwargs, input limits)."""
-    built: BuiltModel = source_of(model).build(model, inp)
+    built: BuiltModel = registry.source_of(model).build(model, inp)
     return built
 
 
 def model_sources() -> dict[str, Any]:
     """What each model source offers, as JSON data (``GET /models``)."""
-    return {name: s.listing() for name, s in sources().items() if not s.local_code}
+    # ``registry.sources``, not a name imported here: importing the package ``estimator.models.sources`` binds
+    # that name on this package
+    return {name: s.listing() for name, s in registry.sources().items() if not s.local_code}
