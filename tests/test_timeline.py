@@ -11,7 +11,7 @@ import pytest
 
 from estimator.gpus import custom_gpu, get_gpu
 from estimator.replay.snapshot import snapshot_of
-from estimator.replay.timeline import ORDER, MAX_POINTS, category_timeline, sample, timeline_of
+from estimator.replay.timeline import MAX_POINTS, ORDER, category_timeline, sample, timeline_of
 from estimator.replay.view import view_of
 from estimator.trace import Allocation, Category, Trace
 
@@ -161,3 +161,29 @@ def test_snapshot_of_a_hand_made_step() -> None:
         20 * MiB, 8 * MiB, 8 * MiB, "large")
     assert (b["address"], b["total_size"], b["allocated_size"], b["segment_type"]) == (22 * MiB, 2 * MiB, 0, "small")
     assert pickle.loads(pickle.dumps(snap)) == snap
+
+
+def test_the_plot_skips_phase_labels_that_would_overlap_and_keeps_them_off_the_legend() -> None:
+    from estimator.cli.plot import figure, keep_apart
+
+    # labels 0-10 px, 5-15 px (overlaps the first: skipped), 12-20 px (2 px past the first: drawn), 21-30 px
+    # (1 px past the third, less than the 2 px gap: skipped)
+    assert keep_apart([(0, 10), (5, 15), (12, 20), (21, 30)]) == [True, False, True, False]
+    # 60 phases 2 events apart on an axis of 600 events, about 1.7 px per event on a 12-inch plot: their labels
+    # (each in the middle of its span, 7 points, some 12 px, wide) 3 px apart; most are left out, those drawn
+    # are apart and left of the legend
+    spans = [dataclasses.replace(p, start=2 * i) for i, p in
+             enumerate(timeline_of(view_of(_trace(), 4, A100)).phases * 12)]
+    t = dataclasses.replace(timeline_of(view_of(_trace(), 4, A100)), events=600, phases=spans)
+    fig = figure(t)
+    ax = fig.axes[0]
+    renderer = fig.canvas.get_renderer()
+    drawn = sorted((x.get_window_extent(renderer) for x in ax.texts), key=lambda b: b.x0)
+    assert 1 < len(drawn) < len(spans)
+    assert all(a.x1 <= b.x0 for a, b in zip(drawn, drawn[1:], strict=False))
+    legend = ax.get_legend().get_window_extent(renderer)
+    assert all(b.x1 <= legend.x0 for b in drawn)
+    # 22 MiB reserved on an 80 GB card: the axis is the step's (10% over its reserved peak), the legend says
+    # where the usable line is
+    assert ax.get_ylim()[1] == pytest.approx(22 * MiB * 1.1 / 2**30)
+    assert any(x.get_text().endswith("(above the plot)") for x in ax.get_legend().get_texts())
