@@ -104,14 +104,13 @@ def estimate_from_profile(profile: PortableProfile, gpus: list[Any] | None = Non
 
 def step_view(request: EstimateRequest, batch_size: int | None = None, *,
               response: EstimateResponse | None = None) -> StepView:
-    """The first card's step for its views, ``step_view(request).report``: at ``batch_size`` (else the
-    request's), else at ``view_batch`` of the answer (``response``, or ``estimate`` without suggestions),
-    simulated again unless that search did; with ``world_size: "auto"``, over the ranks the card needs."""
+    """The first card's step, ``step_view(request).report``: at ``batch_size`` (else the request's), else at
+    ``view_batch`` of ``response`` (else of ``estimate`` without suggestions), simulated again unless that search
+    did; with ``world_size: "auto"``, over the ranks the card needs."""
     if batch_size is not None and batch_size < 1:
         raise SpecError("batch_size", batch_size, "an integer >= 1")
     job, batch = job_of(request), batch_size or request.batch_size
-    built = build(job.model, job.input)
-    source = Simulator(built, job.recipe, keep=True)
+    source = Simulator(build(job.model, job.input), job.recipe, keep=True)
     if response is None and (batch is None or job.plan.world_size is None):
         quick = with_planner(request.model_copy(update={"batch_size": batch}), suggestions=False, max_seq_len=False)
         response = _answer(quick, job_of(quick), source)
@@ -120,14 +119,15 @@ def step_view(request: EstimateRequest, batch_size: int | None = None, *,
         batch = batch or view_batch(first)
         if job.plan.world_size is None:
             job = job_of(with_changes(request, {"training.distributed.world_size": first.world_size}))
-            source = Simulator(built, job.recipe)
+            source = Simulator(source.built, job.recipe)
     assert batch is not None  # given, or the answer's
     return view_of(source.step(batch, job.cards[0]), batch, job.cards[0], job.plan.reserve_bytes)
 
 
-def profile_view(profile: PortableProfile, gpus: list[Any] | None = None, batch_size: int | None = None) -> StepView:
+def profile_view(profile: PortableProfile, gpus: list[Any] | None = None, batch_size: int | None = None, *,
+                 response: EstimateResponse | None = None) -> StepView:
     """``step_view`` of a profile's step on the first of ``gpus`` (the catalog's first without), synthesized."""
-    first = estimate_from_profile(profile, gpus, batch_size).results[0]
+    first = (response or estimate_from_profile(profile, gpus, batch_size)).results[0]
     job = job_of(parse_request({**profile.request, "gpus": gpus}))
     batch, card = batch_size or view_batch(first), job.cards[0]
     return view_of(ProfileReplayer(profile).step(batch, card), batch, card, job.plan.reserve_bytes)

@@ -184,7 +184,7 @@ def _view(args: argparse.Namespace, response, request, profile):
     from estimator.pipeline import profile_view, step_view
 
     if profile is not None:
-        return profile_view(profile, args.gpus, args.batch_size)
+        return profile_view(profile, args.gpus, args.batch_size, response=response)
     assert request is not None  # --spec: parsed once, by _estimate (stdin is read once)
     return step_view(request, response=response)
 
