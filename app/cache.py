@@ -39,9 +39,12 @@ LIBRARIES = ("torch", "torchvision", "timm", "transformers")  # every library a 
 ErrorHook = Callable[[str], None]  # the operation that failed: "open", "get", "set", "ping" or "decode"
 
 
-def cache_key(normalized_request: dict[str, Any]) -> str:
+def cache_key(normalized_request: dict[str, Any], kind: str = "estimate") -> str:
+    """The key of what ``kind`` (the route: ``estimate``, ``timeline``, ``snapshot``) answers to the request."""
     doc = {"request": normalized_request, "batchfit": __version__, "catalog": CATALOG_VERSION,
            "libraries": library_versions(), "source": source_hash()}
+    if kind != "estimate":  # an estimate's key as before this field: caches written then still answer
+        doc["kind"] = kind
     return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 

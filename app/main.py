@@ -45,8 +45,9 @@ from estimator.errors import BatchfitError, Unauthorized
 
 OPEN = {"/healthz", "/readyz"}  # without a key even when keys are set
 K8S = {"/k8s/filter", "/k8s/prioritize", "/k8s/mutate"}  # without a key with BATCHFIT_K8S_WITHOUT_KEY
-JSON_BODY = {"/estimate", *K8S}  # the routes that take a body: application/json, else 415
-ROUTES = {"/estimate", "/gpus", "/models", "/healthz", "/readyz", "/metrics", "/docs", "/openapi.json", *K8S}
+JSON_BODY = {"/estimate", "/timeline", "/snapshot", *K8S}  # the routes that take a body: application/json, else 415
+ROUTES = {"/estimate", "/timeline", "/snapshot", "/gpus", "/models", "/healthz", "/readyz", "/metrics", "/docs",
+          "/openapi.json", *K8S}
 
 
 def __getattr__(name: str) -> Any:

@@ -21,7 +21,7 @@ from typing import Any
 
 from app import logs
 from app.settings import Settings
-from app.worker import Reply, serve
+from app.worker import JobKind, Reply, serve
 from estimator.errors import Busy, LimitExceeded, WorkerDied
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -61,10 +61,10 @@ class _Worker:
         how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit status {code}"
         return WorkerDied(f"the estimate's worker process died ({how}); it was replaced: retry the request")
 
-    def call(self, job_id: int, body: Any, timeout: float, memory: int) -> Reply:
+    def call(self, job_id: int, kind: JobKind, body: Any, timeout: float, memory: int) -> Reply:
         deadline = time.monotonic() + timeout
         try:
-            self.conn.send((job_id, body))
+            self.conn.send((job_id, kind, body))
             while True:
                 if self.conn.poll(0.1):
                     reply: Reply = self.conn.recv()  # EOFError when the worker died (poll is true at EOF)
@@ -173,10 +173,10 @@ class Pool:
         self._idle.put_nowait(fresh)
         logs.log("worker replaced", reason=reason, old_pid=worker.pid, pid=fresh.pid)
 
-    async def run(self, body: Any) -> Reply:
-        """A worker's reply; ``Busy``, ``LimitExceeded`` or ``WorkerDied`` otherwise (then the worker is
-        replaced before the error is raised). Cancelled: a job still queued leaves the queue; a running
-        job's worker is killed at once and replaced in the background."""
+    async def run(self, body: Any, kind: JobKind = JobKind.ESTIMATE) -> Reply:
+        """A worker's reply to the job ``kind`` asks of ``body``; ``Busy``, ``LimitExceeded`` or ``WorkerDied``
+        otherwise (then the worker is replaced before the error is raised). Cancelled: a job still queued
+        leaves the queue; a running job's worker is killed at once and replaced in the background."""
         if self._idle.empty() and self._waiting >= self.settings.queue_size:
             raise Busy()
         self._waiting += 1
@@ -193,7 +193,8 @@ class Pool:
         loop = asyncio.get_running_loop()
         s = self.settings
         job = next(self._ids)
-        call = loop.run_in_executor(self._threads, worker.call, job, body, s.request_timeout_s, s.worker_memory_bytes)
+        call = loop.run_in_executor(self._threads, worker.call, job, kind, body, s.request_timeout_s,
+                                    s.worker_memory_bytes)
         try:
             reply: Reply = await asyncio.shield(call)  # the shield keeps the thread's future for _renew
         except (LimitExceeded, WorkerDied) as exc:

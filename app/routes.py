@@ -1,8 +1,10 @@
-"""The routes: POST /estimate, GET /gpus, /models, /healthz, /readyz, /metrics."""
+"""The routes: POST /estimate, /timeline, /snapshot, GET /gpus, /models, /healthz, /readyz, /metrics."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from functools import lru_cache
@@ -16,9 +18,9 @@ from app import logs
 from app.cache import cache_key
 from app.errors import HTTP_PROBLEMS, error_problem, problem, problem_responses
 from app.shape import check_shape
-from app.worker import Reply, ReplyKind
-from estimator import EstimateRequest, EstimateResponse, catalog, check_request
-from estimator.errors import BatchfitError, Busy, LimitExceeded, WorkerDied
+from app.worker import JobKind, Reply, ReplyKind
+from estimator import EstimateRequest, EstimateResponse, Timeline, catalog, check_request
+from estimator.errors import BatchfitError, Busy, LimitExceeded, SpecError, WorkerDied
 
 
 class ShapeCheckedRoute(APIRoute):
@@ -52,31 +54,74 @@ EXAMPLE = {
     "batch_size": None,
 }
 ERRORS = problem_responses(400, 401, 413, 415, 422, 503)
+Job = Annotated[EstimateRequest, Body(openapi_examples={"resnet50": {"summary": "ResNet-50 on two cards",
+                                                                      "value": EXAMPLE}})]
+SNAPSHOT: dict[int | str, dict[str, Any]] = {200: {"content": {"application/octet-stream": {}},
+                  "description": "the pickle of a torch.cuda.memory._snapshot() dict (open it at "
+                                 "https://pytorch.org/memory_viz), as an attachment named step.pickle"}}
 
 
 @router.post("/estimate", response_model=EstimateResponse, responses=ERRORS,
              summary="Max batch and memory per GPU for a training job")
-async def post_estimate(
-    request: Request,
-    body: Annotated[EstimateRequest, Body(openapi_examples={"resnet50": {"summary": "ResNet-50 on two cards",
-                                                                          "value": EXAMPLE}})],
-) -> Any:
-    app = request.app
+async def post_estimate(request: Request, body: Job) -> Any:
     # FastAPI parsed the body against the schema, once; check_request adds the rules it cannot express
     # (no local code over HTTP, a transformers model names a preset or a config). BatchfitErrors raised
     # here are rendered by app.errors.on_batchfit_error. The worker gets the parsed request itself.
     check_request(body, allow_local_code=False)
     if body.validate_step:
         return await _validate(request, body)
-    key = cache_key(body.model_dump(mode="json"))
+    answered = await _pooled(request, body, JobKind.ESTIMATE)
+    if isinstance(answered, Response):
+        return answered
+    payload, cache = answered
+    return JSONResponse(payload, headers={"X-Batchfit-Cache": cache})
+
+
+@router.post("/timeline", response_model=Timeline, responses=ERRORS,
+             summary="The memory timeline of the first card's step (at batch_size, else the recommended batch)")
+async def post_timeline(request: Request, body: Job) -> Any:
+    _check_view(body)
+    answered = await _pooled(request, body, JobKind.TIMELINE)
+    if isinstance(answered, Response):
+        return answered
+    payload, cache = answered
+    return JSONResponse(payload, headers={"X-Batchfit-Cache": cache})
+
+
+@router.post("/snapshot", response_class=Response, responses={**SNAPSHOT, **ERRORS},
+             summary="The first card's step as a CUDA memory snapshot, for https://pytorch.org/memory_viz")
+async def post_snapshot(request: Request, body: Job) -> Any:
+    _check_view(body)
+    answered = await _pooled(request, body, JobKind.SNAPSHOT)
+    if isinstance(answered, Response):
+        return answered
+    payload, cache = answered
+    return Response(payload, media_type="application/octet-stream",
+                    headers={"Content-Disposition": 'attachment; filename="step.pickle"', "X-Batchfit-Cache": cache})
+
+
+def _check_view(body: EstimateRequest) -> None:
+    """The rules of /estimate, and no validation: the views show the simulated step."""
+    check_request(body, allow_local_code=False)
+    if body.validate_step:
+        raise SpecError("validate", True, "false: /timeline and /snapshot show the simulated step (POST /estimate "
+                                          "with validate measures one on a GPU)")
+
+
+async def _pooled(request: Request, body: EstimateRequest, kind: JobKind) -> tuple[Any, str] | Response:
+    """What a worker answers to ``body`` as ``kind`` asks, from the cache when it holds it: (the payload,
+    ``"hit"`` or ``"miss"``), or the problem to answer instead. Identical concurrent requests share one job."""
+    app = request.app
+    key = cache_key(body.model_dump(mode="json"), kind)
     hit = await asyncio.to_thread(app.state.cache.get, key) if app.state.cache else None  # off the event loop
-    if hit is not None:
+    known = None if hit is None else _from_cache(kind, hit)
+    if known is not None:
         app.state.metrics.cache_hits.inc()
-        return JSONResponse(hit, headers={"X-Batchfit-Cache": "hit"})
+        return known, "hit"
 
     async def compute() -> Reply:
         app.state.metrics.cache_misses.inc()
-        return await run_in_pool(app, body)
+        return await run_in_pool(app, body, kind)
 
     try:
         reply = await _while_connected(request, app.state.flights.run(key, compute))
@@ -84,11 +129,29 @@ async def post_estimate(
         return refused.response()
     if reply is None:
         return _client_left()
-    if reply.kind == ReplyKind.OK:
-        if app.state.cache:
-            await asyncio.to_thread(app.state.cache.set, key, reply.payload)
-        return JSONResponse(reply.payload, headers={"X-Batchfit-Cache": "miss"})
-    return _reply_problem(reply)
+    if reply.kind != ReplyKind.OK:
+        return _reply_problem(reply)
+    if app.state.cache:
+        await asyncio.to_thread(app.state.cache.set, key, _to_cache(kind, reply.payload))
+    return reply.payload, "miss"
+
+
+def _to_cache(kind: JobKind, payload: Any) -> dict[str, Any]:
+    """What the cache stores (JSON objects): a snapshot's pickle as base64."""
+    if kind == JobKind.SNAPSHOT:
+        return {"pickle_base64": base64.b64encode(payload).decode("ascii")}
+    stored: dict[str, Any] = payload
+    return stored
+
+
+def _from_cache(kind: JobKind, doc: dict[str, Any]) -> Any:
+    """The payload a stored value holds; None (a miss) for a snapshot's that holds none."""
+    if kind != JobKind.SNAPSHOT:
+        return doc
+    try:
+        return base64.b64decode(doc["pickle_base64"], validate=True)
+    except (KeyError, TypeError, ValueError, binascii.Error):
+        return None
 
 
 async def _validate(request: Request, body: EstimateRequest) -> Any:
@@ -155,12 +218,12 @@ def _client_left() -> JSONResponse:
                                      "was cancelled unless an identical request still waits for it")
 
 
-async def run_in_pool(app: Any, body: EstimateRequest) -> Reply:
-    """Run ``body`` in a worker, with the metrics; ``Refused`` when busy or past a limit."""
+async def run_in_pool(app: Any, body: EstimateRequest, kind: JobKind = JobKind.ESTIMATE) -> Reply:
+    """Run the job ``kind`` asks of ``body`` in a worker, with the metrics; ``Refused`` when busy or past a limit."""
     metrics, t0 = app.state.metrics, time.perf_counter()
     metrics.workers_busy.inc()
     try:
-        reply: Reply = await app.state.pool.run(body)
+        reply: Reply = await app.state.pool.run(body, kind)
         return reply
     except asyncio.CancelledError:
         metrics.estimates_cancelled.inc()

@@ -1,9 +1,11 @@
 """The worker process side of the pool: one estimate at a time, never crashing the parent.
 
-Each worker imports torch once (warm) and answers ``(job_id, request)``
-messages (an ``EstimateRequest`` the service parsed, sent pickled) with a ``Reply``:
+Each worker imports torch once (warm) and answers ``(job_id, kind, request)``
+messages (a ``JobKind`` and an ``EstimateRequest`` the service parsed, sent pickled) with a ``Reply``:
 
-- ``OK``: the response's JSON (docs/API.md), with ``validation`` when the request asked for one;
+- ``OK``: what the job's kind asks for: ``ESTIMATE``, the response's JSON (docs/API.md), with ``validation``
+  when the request asked for one; ``TIMELINE``, the first card's step's timeline as JSON; ``SNAPSHOT``, that
+  step as a CUDA memory snapshot, pickled (bytes);
 - ``ERROR``: any of batchfit's errors (estimator/errors.py: ``SpecError`` and ``UnknownGPUError``,
   ``SimulationError`` and its kinds, ``NoGPUError``, ``MissingExtraError``, ``ReplayError``, or
   ``LimitExceeded('memory')`` when the worker ran out of memory) as its class name and fields
@@ -16,8 +18,10 @@ here as in the route (no local code over the network).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import pickle
 import signal
 from dataclasses import dataclass
 from enum import StrEnum
@@ -25,6 +29,14 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from estimator import EstimateRequest, errors
+
+
+class JobKind(StrEnum):
+    """What a job asks of the request (the route it came by)."""
+
+    ESTIMATE = "estimate"  # POST /estimate
+    TIMELINE = "timeline"  # POST /timeline
+    SNAPSHOT = "snapshot"  # POST /snapshot
 
 
 class ReplyKind(StrEnum):
@@ -63,7 +75,16 @@ def serve(conn: Connection) -> None:
     # names a file or a Hub id is refused before any library sees it (estimator/request/allowed.py).
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    from estimator import check_request, estimate, parse_request, to_json, validate_on_gpu, validation_json
+    from estimator import (
+        check_request,
+        estimate,
+        parse_request,
+        snapshot,
+        timeline,
+        to_json,
+        validate_on_gpu,
+        validation_json,
+    )
 
     conn.send(("ready", os.getpid()))
     while True:
@@ -73,11 +94,15 @@ def serve(conn: Connection) -> None:
             return
         if message is None:
             return
-        job_id, body = message
+        job_id, kind, body = message
         try:
             request = (check_request(body, allow_local_code=False) if isinstance(body, EstimateRequest)
                        else parse_request(body, allow_local_code=False))
-            if request.validate_step:
+            if kind == JobKind.TIMELINE:
+                reply = Reply(job_id, ReplyKind.OK, dataclasses.asdict(timeline(request)))
+            elif kind == JobKind.SNAPSHOT:
+                reply = Reply(job_id, ReplyKind.OK, pickle.dumps(snapshot(request)))
+            elif request.validate_step:
                 response, validation = validate_on_gpu(request)
                 reply = Reply(job_id, ReplyKind.OK, {**to_json(response), "validation": validation_json(validation)})
             else:

@@ -33,9 +33,12 @@ __version__ = "0.5.1"
 # name -> the module that defines it (module:name where the names differ)
 _PUBLIC = {
     "estimate": "estimator.pipeline",
-    "estimate_memory": "estimator.pipeline",
+    "estimate_memory": "estimator.simulate.memory",
     "estimate_from_profile": "estimator.pipeline",
     "make_profile": "estimator.pipeline",
+    "step_view": "estimator.pipeline",
+    "timeline": "estimator.pipeline",
+    "snapshot": "estimator.pipeline",
     "parse_request": "estimator.request.parse",
     "check_request": "estimator.request.spec",
     "EstimateRequest": "estimator.request.spec",
@@ -45,6 +48,7 @@ _PUBLIC = {
     "to_json": "estimator.plan.results",
     "Recipe": "estimator.simulate.recipe",
     "MemoryReport": "estimator.replay.report",
+    "Timeline": "estimator.replay.timeline",
     "Breakdown": "estimator.replay.report",
     "AllocatorConfig": "estimator.replay.allocator",
     "PortableProfile": "estimator.portable.profile",

@@ -10,7 +10,8 @@
 
 ``progress(done, note)`` is called after each full simulation. A portable
 profile (``make_profile``) answers the same request later, anywhere, without
-the model's code (``estimate_from_profile``).
+the model's code (``estimate_from_profile``). ``step_view`` is one step of the
+answer for its views: ``timeline`` and ``snapshot`` (a CUDA memory snapshot).
 """
 
 from __future__ import annotations
@@ -21,22 +22,22 @@ from typing import Any
 
 from estimator import __version__, torch_version
 from estimator.errors import SpecError
-from estimator.gpus import CATALOG_VERSION, GPU, get_gpu
-from estimator.models import BatchFactory, BuiltModel, LossFn, ModelFactory, build
+from estimator.gpus import CATALOG_VERSION
+from estimator.models import BuiltModel, build
 from estimator.options import ConfirmMode
 from estimator.plan.answer import SourceFor, answer, smallest_batch
 from estimator.plan.notes import Notes
-from estimator.plan.results import EstimateResponse
+from estimator.plan.results import EstimateResponse, GPUResult
 from estimator.plan.steps import Steps
 from estimator.portable.profile import PortableProfile, profile_of
 from estimator.portable.replayer import ProfileReplayer
-from estimator.replay.allocator import AllocatorConfig
-from estimator.replay.report import MemoryReport, report_from_trace
-from estimator.request.adapt import job_of, with_changes, with_planner
+from estimator.replay.snapshot import snapshot_of
+from estimator.replay.timeline import Timeline, timeline_of
+from estimator.replay.view import StepView, view_of
+from estimator.request.adapt import Job, job_of, with_changes, with_planner
 from estimator.request.parse import parse_request
 from estimator.request.spec import EstimateRequest
-from estimator.simulate.recipe import Recipe
-from estimator.simulate.record import record_built
+from estimator.simulate.memory import estimate_memory  # noqa: F401  (estimator.pipeline.estimate_memory, as before)
 from estimator.simulate.source import Progress, Simulator
 
 
@@ -54,11 +55,13 @@ def estimate(request: EstimateRequest, *, built: BuiltModel | None = None, progr
     t0 = time.perf_counter()
     request = with_planner(request, align=align, confirm=confirm, reserve_bytes=reserve_bytes)
     job = job_of(request)
-    built = built or build(job.model, job.input)
-    source = Simulator(built, job.recipe, progress)
+    return _answer(request, job, Simulator(built or build(job.model, job.input), job.recipe, progress), t0)
+
+
+def _answer(request: EstimateRequest, job: Job, source: Simulator, t0: float | None = None) -> EstimateResponse:
     if job.plan.world_size is not None:
         source.prefetch(2, job.cards[0])  # every search needs batch 2 (a fit point, or the start), beside batch 1
-    return answer(source, job.cards, job.plan, source_for=_sources(request, built, progress), started=t0)
+    return answer(source, job.cards, job.plan, source_for=_sources(request, source.built, source.progress), started=t0)
 
 
 def _sources(request: EstimateRequest, built: BuiltModel, progress: Progress | None) -> SourceFor:
@@ -68,31 +71,6 @@ def _sources(request: EstimateRequest, built: BuiltModel, progress: Progress | N
         model = build(job.model, job.input) if any(k.startswith(("model.", "input.")) for k in change) else built
         return Simulator(model, job.recipe, progress)
     return source_for
-
-
-def estimate_memory(model_factory: ModelFactory, batch_factory: BatchFactory, loss_fn: LossFn, batch_size: int, *,
-                    recipe: Recipe | None = None, gpu: str | GPU | None = "A100-80GB",
-                    allocator: AllocatorConfig | None = None, worst_case: bool | None = None) -> MemoryReport:
-    """Simulate training steps of the model on ``gpu`` and report peak memory.
-
-    ``model_factory()`` is called under ``torch.device("meta")``;
-    ``batch_factory(batch_size, device)`` returns ``(inputs, targets)`` where
-    ``inputs`` is a tensor, a tuple (positional) or a dict (keyword arguments);
-    ``loss_fn(outputs, targets)`` returns the scalar loss. ``gpu=None``
-    targets the CPU. ``worst_case``: data-dependent sizes at their maximum
-    (virtual_gpu/worst_case.py); None (default) applies the policy only when
-    the step turns out to need it, False raises ``DataDependentError`` then.
-    """
-    card = get_gpu(gpu) if isinstance(gpu, str) else gpu
-    built = BuiltModel("model", model_factory, batch_factory, loss_fn, {}, 0, worst_case=bool(worst_case))
-    if worst_case is None:
-        trace = record_built(built, batch_size, recipe or Recipe(), card)
-    else:
-        from estimator.simulate.record import record_training
-
-        trace = record_training(model_factory, batch_factory, loss_fn, batch_size, recipe or Recipe(), card,
-                                worst_case=worst_case)
-    return report_from_trace(trace, batch_size, card, allocator)
 
 
 def make_profile(request: EstimateRequest, *, built: BuiltModel | None = None,
@@ -122,3 +100,50 @@ def estimate_from_profile(profile: PortableProfile, gpus: list[Any] | None = Non
     data["planner"] = {**data.get("planner", {}), **(planner or {}), "confirm": ConfirmMode.NONE.value}
     job = job_of(parse_request(data))
     return answer(ProfileReplayer(profile), job.cards, job.plan, started=t0)
+
+
+def step_view(request: EstimateRequest, batch_size: int | None = None, *,
+              response: EstimateResponse | None = None) -> StepView:
+    """The first card's step, ``step_view(request).report``: at ``batch_size`` (else the request's), else at
+    ``view_batch`` of ``response`` (else of ``estimate`` without suggestions), simulated again unless that search
+    did; with ``world_size: "auto"``, over the ranks the card needs."""
+    if batch_size is not None and batch_size < 1:
+        raise SpecError("batch_size", batch_size, "an integer >= 1")
+    job, batch = job_of(request), batch_size or request.batch_size
+    source = Simulator(build(job.model, job.input), job.recipe, keep=True)
+    if response is None and (batch is None or job.plan.world_size is None):
+        quick = with_planner(request.model_copy(update={"batch_size": batch}), suggestions=False, max_seq_len=False)
+        response = _answer(quick, job_of(quick), source)
+    if response is not None:
+        first = response.results[0]
+        batch = batch or view_batch(first)
+        if job.plan.world_size is None:
+            job = job_of(with_changes(request, {"training.distributed.world_size": first.world_size}))
+            source = Simulator(source.built, job.recipe)
+    assert batch is not None  # given, or the answer's
+    return view_of(source.step(batch, job.cards[0]), batch, job.cards[0], job.plan.reserve_bytes)
+
+
+def profile_view(profile: PortableProfile, gpus: list[Any] | None = None, batch_size: int | None = None, *,
+                 response: EstimateResponse | None = None) -> StepView:
+    """``step_view`` of a profile's step on the first of ``gpus`` (the catalog's first without), synthesized."""
+    first = (response or estimate_from_profile(profile, gpus, batch_size)).results[0]
+    job = job_of(parse_request({**profile.request, "gpus": gpus}))
+    batch, card = batch_size or view_batch(first), job.cards[0]
+    return view_of(ProfileReplayer(profile).step(batch, card), batch, card, job.plan.reserve_bytes)
+
+
+def view_batch(result: GPUResult) -> int:
+    """The batch a card's step is shown at when the request names none: recommended, else max, else smallest."""
+    return result.recommended_batch_size or result.max_batch_size or result.min_batch_size
+
+
+def timeline(request: EstimateRequest, batch_size: int | None = None) -> Timeline:
+    """The memory timeline of ``step_view``'s step (``POST /timeline``; ``dataclasses.asdict`` is its JSON)."""
+    return timeline_of(step_view(request, batch_size))
+
+
+def snapshot(request: EstimateRequest, batch_size: int | None = None) -> dict[str, Any]:
+    """``step_view``'s step as ``torch.cuda.memory._snapshot()`` has it: pickled, it opens at
+    https://pytorch.org/memory_viz (``POST /snapshot``)."""
+    return snapshot_of(step_view(request, batch_size))

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from estimator.errors import ReplayError
+from estimator.errors import ReplayError, SpecError
 from estimator.replay.allocator import AllocatorConfig, Event, allocation_size, replay, round_size
 
 pytestmark = pytest.mark.unit
@@ -141,3 +141,95 @@ def test_properties(trace, expandable) -> None:
     r3 = replay([Event(*e) for e in events] + closing, cfg)
     assert r3.allocated[-1] == 0  # freeing everything returns allocated to zero
     assert r3.reserved[-1] == r1.reserved[-1]  # memory stays cached
+
+
+# --- recording (record=True): the allocator's actions and final segments, what a memory snapshot shows
+
+def test_recording_names_each_action_with_its_block() -> None:
+    # 4 MiB: a 20 MiB segment (1-10 MiB requests get kLargeBuffer) at the first address, 1 MiB; its block is the
+    # segment's first 4 MiB. 3 MiB then: the 16 MiB remainder, split at 1 MiB + 4 MiB. A free gives the block back.
+    r = replay([Event(True, 1, 4 * MiB), Event(True, 2, 3 * MiB), Event(False, 1, 0)], AllocatorConfig(), record=True)
+    assert r.recording is not None
+    got = [(str(a.action), a.addr, a.size, a.event, a.key) for a in r.recording.actions]
+    assert got == [("segment_alloc", MiB, 20 * MiB, 0, -1), ("alloc", MiB, 4 * MiB, 0, 0),
+                   ("alloc", 5 * MiB, 3 * MiB, 1, 1), ("free", MiB, 4 * MiB, 2, 0)]
+    # at the end the segment holds: the freed 4 MiB, the live 3 MiB, the 13 MiB never handed out
+    (seg,) = r.recording.segments
+    assert (seg.addr, seg.size, seg.stream, seg.small) == (MiB, 20 * MiB, 0, False)
+    assert [(b.addr, b.size, b.key) for b in seg.blocks] == [(MiB, 4 * MiB, None), (5 * MiB, 3 * MiB, 1),
+                                                            (8 * MiB, 13 * MiB, None)]
+
+
+def test_recording_logs_the_segments_a_failed_cudamalloc_frees() -> None:
+    # capacity 30 MiB: the cached 20 MiB segment is freed (cudaFree) so the 24 MiB one fits: segment_free first
+    r = replay([Event(True, 1, 20 * MiB), Event(False, 1, 0), Event(True, 2, 24 * MiB)],
+               AllocatorConfig(capacity=30 * MiB), record=True)
+    assert r.recording is not None
+    got = [(str(a.action), a.size, a.event) for a in r.recording.actions]
+    assert got == [("segment_alloc", 20 * MiB, 0), ("alloc", 20 * MiB, 0), ("free", 20 * MiB, 1),
+                   ("segment_free", 20 * MiB, 2), ("segment_alloc", 24 * MiB, 2), ("alloc", 24 * MiB, 2)]
+
+
+def test_recording_marks_a_skipped_workspace_as_an_oom() -> None:
+    # capacity 22 MiB holds one 20 MiB segment; a 4 MiB cuDNN workspace next needs another 20 MiB: refused and
+    # skipped (no error), recorded as torch records a failed malloc, with the 2 MiB cudaMalloc still had
+    events = [Event(True, 1, 20 * MiB), Event(True, 2, 4 * MiB, "conv_workspace"), Event(False, 2, 0)]
+    r = replay(events, AllocatorConfig(capacity=22 * MiB), record=True)
+    assert r.fits and r.recording is not None
+    assert [(str(a.action), a.addr, a.size) for a in r.recording.actions][-1] == ("oom", 2 * MiB, 4 * MiB)
+
+
+def test_recording_is_off_by_default_and_changes_nothing() -> None:
+    events = [Event(True, 1, 4 * MiB), Event(True, 2, 600), Event(False, 1, 0)]
+    off, on = replay(events, AllocatorConfig()), replay(events, AllocatorConfig(), record=True)
+    assert off.recording is None and on.recording is not None
+    assert (off.allocated, off.reserved, off.peak_event) == (on.allocated, on.reserved, on.peak_event)
+
+
+def test_recording_refuses_expandable_segments() -> None:
+    with pytest.raises(SpecError) as info:
+        replay([Event(True, 1, 4 * MiB)], AllocatorConfig(expandable_segments=True), record=True)
+    assert info.value.field == "allocator.expandable_segments"
+
+
+@settings(max_examples=150, deadline=None)
+@given(traces(), st.sampled_from([None, 60 * MiB, 150 * MiB]), st.sampled_from([None, 40 * MiB]))
+def test_recording_properties(trace, capacity, max_split) -> None:
+    """The actions add up to the replay's timelines at every event; live blocks never overlap and lie in live
+    segments; the final segments are tiled by their blocks and hold the live allocations."""
+    events, _live = trace
+    cfg = AllocatorConfig(capacity=capacity, max_split_size=max_split)
+    r = replay([Event(*e) for e in events], cfg, record=True)
+    assert r.recording is not None
+    allocated = reserved = 0
+    segments: dict[int, int] = {}
+    blocks: dict[int, tuple[int, int]] = {}  # allocation -> (addr, size)
+    by_event: dict[int, tuple[int, int]] = {}
+    for a in r.recording.actions:
+        if a.action == "segment_alloc":
+            reserved += a.size
+            segments[a.addr] = a.size
+        elif a.action == "segment_free":
+            reserved -= a.size
+            assert segments.pop(a.addr) == a.size
+        elif a.action == "alloc":
+            allocated += a.size
+            inside = [s for s, n in segments.items() if s <= a.addr and a.addr + a.size <= s + n]
+            assert len(inside) == 1
+            assert all(a.addr + a.size <= b or b + n <= a.addr for b, n in blocks.values())
+            blocks[a.key] = (a.addr, a.size)
+        elif a.action == "free":
+            allocated -= a.size
+            assert blocks.pop(a.key) == (a.addr, a.size)
+        by_event[a.event] = (allocated, reserved)
+    replayed = len(r.allocated)
+    for i in range(replayed):  # events without an action (a free of nothing) keep the last totals
+        if i in by_event:
+            assert by_event[i] == (r.allocated[i], r.reserved[i])
+    assert sum(s.size for s in r.recording.segments) == reserved
+    assert {s.addr: s.size for s in r.recording.segments} == segments
+    for s in r.recording.segments:
+        assert s.blocks[0].addr == s.addr and sum(b.size for b in s.blocks) == s.size
+        assert all(b.addr + b.size == c.addr for b, c in zip(s.blocks, s.blocks[1:], strict=False))
+    held = {b.key: (b.addr, b.size) for s in r.recording.segments for b in s.blocks if b.key is not None}
+    assert held == blocks

@@ -340,7 +340,7 @@ replies = []
 def feed():
     parent.recv()  # ("ready", pid)
     for i, request in enumerate(job["requests"]):
-        parent.send((i, request))
+        parent.send((i, "estimate", request))
         r = parent.recv()
         replies.append({"kind": str(r.kind), "type": r.error_type, "payload": r.payload if r.kind != "ok" else "ok"})
     parent.send(None)

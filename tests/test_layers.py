@@ -196,7 +196,8 @@ def test_no_code_compares_a_messages_text() -> None:
 
 
 @pytest.mark.parametrize("module", ["estimator.trace", "estimator.options", "estimator.replay.allocator",
-                                    "estimator.replay.report", "estimator.plan.strategy", "estimator.plan.answer",
+                                    "estimator.replay.report", "estimator.replay.timeline",
+                                    "estimator.replay.snapshot", "estimator.plan.strategy", "estimator.plan.answer",
                                     "estimator.plan.results", "estimator.portable.replayer",
                                     "estimator.request.spec", "estimator.request.adapt", "estimator.models.registry",
                                     "estimator.errors", "estimator"])

@@ -213,7 +213,7 @@ report = estimate_memory(lambda: torch.nn.Sequential(torch.nn.Linear(8, 16), tor
                          lambda b, dev: (torch.empty(b, 8, device=dev), torch.zeros(b, dtype=torch.long, device=dev)),
                          F.cross_entropy, 4, gpu="A100-80GB")
 errors = {}
-for name, call in (("plot", lambda: draw_timeline([], [], "t", "unused.png")), ("gpu", local_card)):
+for name, call in (("plot", lambda: draw_timeline(None, "unused.png")), ("gpu", local_card)):
     try:
         call()
     except MissingExtraError as exc:

@@ -29,6 +29,7 @@ from estimator import EstimateResponse
 pytestmark = pytest.mark.service
 
 ESTIMATE_EXAMPLES = 520
+VIEW_EXAMPLES = 100  # /timeline and /snapshot: /estimate's body and validation, a view of its answer
 CHECKS = [checks.not_a_server_error, checks.status_code_conformance, checks.content_type_conformance,
           checks.response_schema_conformance, checks.response_headers_conformance]
 POSITIVE = [*CHECKS, checks.positive_data_acceptance]
@@ -91,7 +92,8 @@ def test_no_5xx_and_valid_responses(operations, base_url) -> None:
     for op in operations:
         labels.append(op.label)
         post = op.method.upper() == "POST"
-        examples = ESTIMATE_EXAMPLES if post else 5
+        examples = (VIEW_EXAMPLES if op.label in ("POST /timeline", "POST /snapshot") else ESTIMATE_EXAMPLES) if post \
+            else 5
 
         @given(case=op.as_strategy())
         @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
@@ -106,7 +108,7 @@ def test_no_5xx_and_valid_responses(operations, base_url) -> None:
             case.validate_response(response, checks=CHECKS if case.method.upper() == "POST" else POSITIVE)
 
         run()
-    assert "POST /estimate" in labels and "GET /gpus" in labels
+    assert {"POST /estimate", "POST /timeline", "POST /snapshot", "GET /gpus"} <= set(labels)
     assert calls["n"] >= 500
 
 

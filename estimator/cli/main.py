@@ -5,6 +5,7 @@
     batchfit estimate --spec req.json --model mypkg.nets:make   # a local nn.Module factory
     batchfit profile --spec req.json -o profile.json    # the affine trace, portable
     batchfit estimate --profile profile.json --gpus A100-80GB H100-80GB --plot step.png
+    batchfit estimate --spec req.json --snapshot step.pickle    # the step for https://pytorch.org/memory_viz
     batchfit serve --host 0.0.0.0 --ssl-certfile tls.crt --ssl-keyfile tls.key   # HTTPS (an admission webhook)
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pickle
 import re
 import ssl
 import sys
@@ -66,7 +68,7 @@ def _estimate(args: argparse.Namespace) -> int:
     if args.by_module is not None and args.by_module < 1:
         raise SpecError("--by-module", args.by_module, "a number of modules >= 1")
     progress = _progress(not args.json)
-    request = None
+    request = profile = None
     if args.profile is not None:
         from estimator.portable.profile import PortableProfile
 
@@ -79,8 +81,9 @@ def _estimate(args: argparse.Namespace) -> int:
         response = estimate(request, progress=progress)
     if progress is not None:
         print(file=sys.stderr)
-    if args.plot is not None:
-        _plot(args, response, request)
+    view = None
+    if args.plot is not None or args.snapshot is not None:
+        view = _view(args, response, request, profile)
     by_module = _by_module(request, response) if request is not None and args.by_module is not None else None
     if args.json:
         from estimator.plan.results import to_json, to_json_text
@@ -92,11 +95,13 @@ def _estimate(args: argparse.Namespace) -> int:
             doc = {"batch_size": report.batch_size, "gpu": report.gpu, "peak_phase": report.peak_phase,
                    "peak_module": report.peak_module, **mb.as_json(args.by_module)}
             print(json.dumps({**to_json(response), "by_module": doc}, indent=2))
-        return 0
-    _table(response)
-    if by_module is not None:
-        mb, report = by_module
-        _module_table(mb, report, args.by_module)
+    else:
+        _table(response)
+        if by_module is not None:
+            mb, report = by_module
+            _module_table(mb, report, args.by_module)
+    if view is not None:
+        _write_views(args, view)
     return 0
 
 
@@ -173,35 +178,39 @@ def _validate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plot(args: argparse.Namespace, response, request) -> None:
-    """The first card's step at its memory batch, simulated (or synthesized from the profile) again."""
-    from estimator.cli.plot import draw_timeline
-    from estimator.gpus import get_gpu
-    from estimator.request.adapt import job_of
+def _view(args: argparse.Namespace, response, request, profile):
+    """The first card's step for --plot and --snapshot: at batch_size, else its recommended batch, else its max,
+    else its smallest; simulated again (or synthesized from the profile)."""
+    from estimator.pipeline import profile_view, step_view
 
-    first = response.results[0]
-    batch = first.memory.batch_size
-    if args.profile is not None:
-        from estimator.portable.profile import PortableProfile
-        from estimator.portable.replayer import ProfileReplayer
+    if profile is not None:
+        return profile_view(profile, args.gpus, args.batch_size, response=response)
+    assert request is not None  # --spec: parsed once, by _estimate (stdin is read once)
+    return step_view(request, response=response)
 
-        doc = PortableProfile.from_json(_read_spec(args.profile, "--profile"))
-        replayer = ProfileReplayer(doc)
-        card = get_gpu(first.gpu, field="--gpus[0]")
-        key = replayer.signature(card)
-        step = doc.first_steps[key] if batch == doc.start else doc.steps[key]
-        events, phases = step.events_at(batch, card.cublas_workspace_bytes), step.phases
-    else:
-        from estimator.models import build
-        from estimator.replay.allocator import trace_events
-        from estimator.simulate.record import record_built
 
-        assert request is not None  # --spec: parsed once, by _estimate (stdin is read once)
-        job = job_of(request)
-        card = job.cards[0]
-        trace = record_built(build(job.model, job.input), batch, job.recipe, card)
-        events, phases = trace_events(trace), [a.phase for a in trace.allocations]
-    draw_timeline(events, phases, f"batch {batch} on {first.gpu}", args.plot)
+def _write_views(args: argparse.Namespace, view) -> None:
+    """--plot FILE.png and --snapshot FILE.pickle; each says what it wrote (on stderr beside --json's output)."""
+    out = sys.stderr if args.json else sys.stdout
+    if args.plot is not None:
+        from estimator.cli.plot import draw_timeline
+        from estimator.replay.timeline import timeline_of
+
+        try:
+            draw_timeline(timeline_of(view), args.plot)
+        except OSError as exc:
+            raise SpecError("--plot", args.plot, f"a file that can be written ({exc.strerror})") from exc
+        print(f"wrote {args.plot}", file=out)
+    if args.snapshot is not None:
+        from estimator.replay.snapshot import snapshot_of
+
+        snapshot = snapshot_of(view)
+        try:
+            with open(args.snapshot, "wb") as f:
+                pickle.dump(snapshot, f)
+        except OSError as exc:
+            raise SpecError("--snapshot", args.snapshot, f"a file that can be written ({exc.strerror})") from exc
+        print(f"wrote {args.snapshot} (open it at https://pytorch.org/memory_viz)", file=out)
 
 
 def _gib(m) -> str:
@@ -340,7 +349,11 @@ def main(argv: list[str] | None = None) -> int:
     est.add_argument("--batch-size", type=int, help="with --profile: also report memory at this batch")
     est.add_argument("--json", action="store_true", help="print the response as JSON (docs/API.md)")
     est.add_argument("--plot", metavar="FILE.png",
-                     help="draw the first card's step at its memory batch (batch_size, else the max)")
+                     help="draw the first card's step (at batch_size, else its recommended batch, else its max, "
+                          "else its smallest), stacked by category, with the card's usable memory and the peak")
+    est.add_argument("--snapshot", metavar="FILE.pickle",
+                     help="write that step as a CUDA memory snapshot (torch.cuda.memory._snapshot()'s pickle), "
+                          "to open at https://pytorch.org/memory_viz")
     est.add_argument("--model", metavar="PACKAGE.MODULE:FACTORY",
                      help="a local nn.Module factory (imported here; replaces the spec's model)")
     est.add_argument("--by-module", nargs="?", type=int, const=5, metavar="N",

@@ -1,38 +1,28 @@
-"""The memory timeline of one training step, stacked by category, phases marked.
+"""The memory timeline of one training step (``estimator.replay.timeline``), stacked by category, phases marked.
 
->>> draw_timeline(events, phases, "resnet50 b681 on T4-16GB", "step.png")   # doctest: +SKIP
+>>> draw_timeline(timeline_of(view), "step.png", "resnet50 b681 on T4-16GB")   # doctest: +SKIP
 
-``events`` are the allocator events of the step (requested bytes);
-``phases[k]`` is the phase that made allocation ``k``.
+Stacked: the live requested bytes per category; the line: what the allocator reserves; dashed: the card's
+usable memory (capacity - CUDA context - the planner's reserve), named in the legend when it lies far above
+the step; the marker: the allocated peak. Each phase's label stands in the middle of its span; one that would
+overlap the label drawn before it is left out, and the legend sits outside the axes, clear of the labels.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+from typing import Any
+
 from estimator.errors import MissingExtraError
-from estimator.replay.allocator import Event
-from estimator.trace import Category
+from estimator.replay.timeline import Timeline
 
-# the stacking order, bottom up; cuDNN's workspaces join cuBLAS's, empty_cache calls hold no memory
-ORDER = (Category.PARAMETER, Category.BUFFER, Category.GRADIENT, Category.OPTIMIZER_STATE, Category.ACTIVATION,
-         Category.TEMPORARY, Category.INPUT, Category.WORKSPACE)
 GIB = 2**30
+LABEL_GAP_PX = 2.0  # between two phase labels drawn side by side
+FAR_ABOVE = 2.0  # a usable line more than this many times the step's reserved peak is left above the plot
 
 
-def category_timeline(events: list[Event]) -> dict[str, list[int]]:
-    """Live requested bytes per category after each event (cuDNN's workspaces with cuBLAS's, as the breakdown
-    counts them)."""
-    live: dict[str, int] = dict.fromkeys(ORDER, 0)
-    out: dict[str, list[int]] = {c: [] for c in ORDER}
-    for e in events:
-        cat = (Category.WORKSPACE if e.category == Category.CONV_WORKSPACE
-               else e.category if e.category in live else Category.TEMPORARY)
-        live[cat] += e.nbytes if e.alloc else -e.nbytes
-        for c in ORDER:
-            out[c].append(live[c])
-    return out
-
-
-def _pyplot():
+def _pyplot() -> Any:
     """matplotlib's pyplot on the file-only backend; matplotlib is the ``plot`` extra, not a core dependency."""
     try:
         import matplotlib
@@ -44,23 +34,55 @@ def _pyplot():
     return plt
 
 
-def draw_timeline(events: list[Event], phases: list[str], title: str, path: str) -> None:
+def keep_apart(spans: Sequence[tuple[float, float]], gap: float = LABEL_GAP_PX) -> list[bool]:
+    """Which labels to draw, given each one's left and right edge (pixels, left to right): each that starts
+    ``gap`` past the right edge of the last one drawn."""
+    kept, right = [], -math.inf
+    for left, end in spans:
+        clear = left >= right + gap
+        kept.append(clear)
+        if clear:
+            right = end
+    return kept
+
+
+def figure(t: Timeline, title: str | None = None) -> Any:
+    """The timeline's matplotlib figure (``draw_timeline`` saves it)."""
     plt = _pyplot()
-    series = category_timeline(events)
-    x = range(len(events))
-    fig, ax = plt.subplots(figsize=(12, 5))
-    ax.stackplot(x, *[[v / GIB for v in series[c]] for c in ORDER], labels=[str(c) for c in ORDER])
-    last = None
-    for i, e in enumerate(events):
-        phase = phases[e.key] if e.alloc else None
-        if phase and phase != last:
-            ax.axvline(i, color="black", lw=0.5, alpha=0.4)
-            ax.text(i, ax.get_ylim()[1] * 0.98, phase, rotation=90, va="top", fontsize=7)
-            last = phase
+    fig, ax = plt.subplots(figsize=(12, 5), dpi=120, layout="constrained")
+    x = t.points
+    ax.stackplot(x, *[[v / GIB for v in lane] for lane in t.categories.values()], labels=list(t.categories))
+    ax.plot(x, [v / GIB for v in t.reserved], color="black", lw=0.8, label="reserved (the allocator's cache)")
+    far = t.usable_bytes > FAR_ABOVE * t.reserved_peak_bytes
+    ax.axhline(t.usable_bytes / GIB, color="tab:red", ls="--", lw=1,
+               label=f"usable on {t.gpu}: {t.usable_bytes / GIB:.2f} GiB" + (" (above the plot)" if far else ""))
+    ax.plot([t.peak_event], [t.allocated_peak_bytes / GIB], marker="v", color="tab:red", ls="none", ms=8,
+            label=f"allocated peak: {t.allocated_peak_bytes / GIB:.2f} GiB ({t.peak_phase})")
+    top = max(t.reserved_peak_bytes if far else t.usable_bytes, t.reserved_peak_bytes, 1) / GIB * 1.1
+    ax.set_ylim(0, top)
+    end = max(t.events - 1, 1)
+    ax.set_xlim(0, end)
     ax.set_xlabel("allocator event")
-    ax.set_ylabel("live GiB (requested)")
-    ax.set_title(title)
-    ax.legend(loc="upper left", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    ax.set_ylabel("GiB")
+    ax.set_title(title or f"batch {t.batch_size} on {t.gpu}")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=8)
+    labels = []
+    for span, after in zip(t.phases, [*(s.start for s in t.phases[1:]), end], strict=True):
+        ax.axvline(span.start, color="black", lw=0.5, alpha=0.4)
+        labels.append(ax.text((span.start + after) / 2, top * 0.99, span.phase, rotation=90, ha="center", va="top",
+                              fontsize=7))
+    fig.canvas.draw()  # the final layout: where each label lies
+    renderer = fig.canvas.get_renderer()
+    boxes = [label.get_window_extent(renderer) for label in labels]
+    for label, keep in zip(labels, keep_apart([(b.x0, b.x1) for b in boxes]), strict=True):
+        if not keep:
+            label.remove()
+    return fig
+
+
+def draw_timeline(t: Timeline, path: str, title: str | None = None) -> None:
+    """The timeline drawn into ``path`` (PNG, or any format matplotlib infers from the name)."""
+    plt = _pyplot()
+    fig = figure(t, title)
+    fig.savefig(path)
     plt.close(fig)

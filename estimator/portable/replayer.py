@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from estimator.errors import SpecError
 from estimator.gpus import GPU
+from estimator.plan.affine import AffineTrace
 from estimator.plan.steps import ModelFacts, Seed
 from estimator.portable.profile import PortableProfile
 from estimator.simulate.sdpa_choice import SdpaCall, backends_key
@@ -38,6 +39,14 @@ class ProfileReplayer:
             raise SpecError("gpus", gpu.name, f"a card whose attention backends ({key or 'none'}) the profile "
                             f"was traced for ({', '.join(self.doc.steps) or 'none'}); re-run batchfit profile")
         return key
+
+    def step(self, batch: int, gpu: GPU) -> AffineTrace:
+        """The step at ``batch`` on ``gpu``, synthesized: the profile's own at its smallest batch, else its affine
+        trace."""
+        seed = self.seeds[self.signature(gpu)]
+        if batch < seed.start:
+            raise SpecError("batch_size", batch, f"at least {seed.start}, the smallest batch the profile answers")
+        return seed.first if batch == seed.start else seed.affine
 
     def simulate(self, batch: int, gpu: GPU) -> tuple[Trace, int]:
         """A profile has no model to simulate: every step it answers is seeded."""

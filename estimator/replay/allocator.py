@@ -26,6 +26,11 @@ Rules and constants follow c10/cuda/CUDACachingAllocator.cpp (torch 2.14):
   with expandable segments it keeps the pages mapped (a simplification: more
   reserved, never less)
 
+``record=True`` also records each action the allocator takes (cudaMalloc and
+cudaFree of segments, where each block lives) and its final segments
+(``estimator.replay.recording``), what a memory snapshot shows; off, it costs
+nothing (the same branch as the timelines).
+
 ``expandable_segments`` is modelled as one growing segment per pool mapped
 in 2 MiB pages (a simplification of ExpandableSegment: pages are unmapped
 only when an allocation would otherwise fail).
@@ -45,6 +50,8 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from estimator.errors import ReplayError, SpecError
+from estimator.replay.recording import Action, Entry, Recording, Segment
+from estimator.replay.recording import Block as BlockState
 from estimator.trace import SOFT_CATEGORIES, Category, Trace
 
 KMIN_BLOCK_SIZE = 512  # kMinBlockSize: all sizes are rounded to at least 512 bytes
@@ -115,6 +122,7 @@ class ReplayResult:
     segments_allocated: int = 0
     cache_flushes: int = 0
     failed_mallocs: int = 0  # cudaMallocs refused for want of capacity (0: the same as an uncapped replay)
+    recording: Recording | None = field(default=None, repr=False)  # with ``record=True``
 
 
 def round_size(size: int) -> int:
@@ -166,6 +174,8 @@ class _Allocator:
         self.flushes = 0
         self.failed = 0
         self.tails: dict[int, _Block | None] = {}  # expandable: per pool, its segment's last block
+        # recording (None: off): the segment actions of the event being replayed, (action, addr, size, stream)
+        self.log: list[tuple[Action, int, int, int]] | None = None
 
     # --- pool bookkeeping
     def _insert(self, b: _Block) -> None:
@@ -200,7 +210,16 @@ class _Allocator:
         self.segments += 1
         b = _Block(self.next_addr, size, small, self.segments, pk)
         self.next_addr += size + (1 << 20)
+        if self.log is not None:
+            self.log.append((Action.SEGMENT_ALLOC, b.addr, size, pk >> 1))
         return b
+
+    def _cuda_free(self, b: _Block) -> None:
+        """cudaFree of a cached block (release_block)."""
+        self._remove(b)
+        self.reserved -= b.size
+        if self.log is not None:
+            self.log.append((Action.SEGMENT_FREE, b.addr, b.size, b.pool >> 1))
 
     def _release_segments(self) -> int:
         """Release every cached whole segment (release_cached_blocks); the bytes released."""
@@ -209,8 +228,7 @@ class _Allocator:
             for _size, addr in list(pool):
                 b = self.blocks[addr]
                 if b.prev is None and b.next is None:
-                    self._remove(b)
-                    self.reserved -= b.size
+                    self._cuda_free(b)
                     freed += b.size
         return freed
 
@@ -222,16 +240,13 @@ class _Allocator:
         pool = self.pools[pk]
         i = bisect.bisect_left(pool, (want, -1))
         if i < len(pool):
-            b = self.blocks[pool[i][1]]
-            self._remove(b)
-            self.reserved -= b.size
+            self._cuda_free(self.blocks[pool[i][1]])
             return True
         released = 0
         j = len(pool) - 1
         while j >= 0 and released < want and pool[j][0] >= self.max_split:
             b = self.blocks[pool[j][1]]
-            self._remove(b)
-            self.reserved -= b.size
+            self._cuda_free(b)
             released += b.size
             j -= 1
         return released >= want
@@ -363,11 +378,13 @@ class _Allocator:
         self._insert(block)
 
 
-def replay(events: Sequence[Event], config: AllocatorConfig, timelines: bool = True) -> ReplayResult:
+def replay(events: Sequence[Event], config: AllocatorConfig, timelines: bool = True, *,
+           record: bool = False) -> ReplayResult:
     """Run ``events`` through the caching-allocator model; stop at the first OOM.
 
     ``timelines=False`` leaves ``allocated`` and ``reserved`` empty (faster;
-    the peaks are the same).
+    the peaks are the same). ``record``: the allocator's actions and final
+    segments in ``recording`` (``estimator.replay.recording``).
     """
     steps: list[tuple[bool, int]] = []
     sizes: list[int] = []
@@ -388,18 +405,24 @@ def replay(events: Sequence[Event], config: AllocatorConfig, timelines: bool = T
             if k is None:
                 raise ReplayError(f"event {i}: free of key {ev.key} that is not allocated")
             steps.append((False, k))
-    return replay_sized(steps, sizes, categories, config, timelines, streams if any(streams) else None)
+    return replay_sized(steps, sizes, categories, config, timelines, streams if any(streams) else None,
+                        record=record)
 
 
 def replay_sized(events: Sequence[tuple[bool, int]], sizes: Sequence[int], categories: Sequence[str],
                  config: AllocatorConfig, timelines: bool = True,
-                 streams: Sequence[int] | None = None) -> ReplayResult:
+                 streams: Sequence[int] | None = None, *, record: bool = False) -> ReplayResult:
     """``replay`` of ``(is_alloc, k)`` events whose allocation ``k`` has ``sizes[k]`` bytes in ``categories[k]``
     (on stream ``streams[k]``; None: all on the default stream).
 
     The form traces and affine traces already have: no per-event objects to build.
     """
+    if record and config.expandable_segments:
+        raise SpecError("allocator.expandable_segments", True, "false when the replay records where blocks live "
+                        "(a snapshot): expandable segments are modelled by their sizes, not their addresses")
     a = _Allocator(config)
+    recorder = _Recorder(a, sizes, categories, streams) if record else None
+    tracking = timelines or record  # one branch per event for both: none when neither is asked for
     malloc, free = a.malloc, a.free
     live: dict[int, _Block] = {}
     block_size: dict[int, int] = {}  # allocation -> its block's size (fixed while allocated)
@@ -421,6 +444,8 @@ def replay_sized(events: Sequence[tuple[bool, int]], sizes: Sequence[int], categ
                 block = malloc(nbytes) if streams is None else malloc(nbytes, False, streams[k])
                 if block is None:
                     oom = i
+                    if recorder is not None:
+                        recorder.event(i, True, k, None, 0)
                     break
             elif categories[k] == EMPTY_CACHE:
                 if not config.expandable_segments:  # expandable: its pages stay mapped (see _malloc_expandable)
@@ -446,9 +471,13 @@ def replay_sized(events: Sequence[tuple[bool, int]], sizes: Sequence[int], categ
                 skipped.discard(k)
             else:
                 free(block)
-        if timelines:
-            allocated.append(a.allocated)
-            reserved.append(a.reserved)
+        if tracking:
+            if timelines:
+                allocated.append(a.allocated)
+                reserved.append(a.reserved)
+            if recorder is not None:
+                # the block's bytes as allocated (a freed block may have grown by merging with its neighbour)
+                recorder.event(i, is_alloc, k, block, 0 if block is None else block_size[k])
     breakdown: dict[str, int] = {}
     if alloc_peak:
         at_peak: set[int] = set()
@@ -471,4 +500,44 @@ def replay_sized(events: Sequence[tuple[bool, int]], sizes: Sequence[int], categ
         segments_allocated=a.segments,
         cache_flushes=a.flushes,
         failed_mallocs=a.failed,
+        recording=None if recorder is None else recorder.finish(live),
     )
+
+
+class _Recorder:
+    """What ``record=True`` keeps of one replay: each event's actions in order, then the final segments."""
+
+    def __init__(self, a: _Allocator, sizes: Sequence[int], categories: Sequence[str],
+                 streams: Sequence[int] | None) -> None:
+        self.a, self.sizes, self.categories, self.streams = a, sizes, categories, streams
+        self.actions: list[Entry] = []
+        self.pending: list[tuple[Action, int, int, int]] = []
+        a.log = self.pending  # the allocator's segment actions, until the event they belong to is logged
+
+    def event(self, i: int, is_alloc: bool, k: int, block: _Block | None, size: int) -> None:
+        """Event ``i``: the segments its malloc made or released, then its block's alloc or free (``size``: the
+        block's bytes as allocated), or the OOM of an allocation that could not be had."""
+        stream = 0 if self.streams is None else self.streams[k]
+        self.actions.extend(Entry(action, addr, n, s, i) for action, addr, n, s in self.pending)
+        self.pending.clear()
+        if block is not None:
+            self.actions.append(Entry(Action.ALLOC if is_alloc else Action.FREE, block.addr, size, stream, i, k))
+        elif is_alloc and self.categories[k] != EMPTY_CACHE:  # a skipped cuDNN workspace, or the replay's OOM
+            cap = self.a.cfg.capacity
+            free = 0 if cap is None else cap - self.a.reserved
+            self.actions.append(Entry(Action.OOM, free, self.sizes[k], stream, i, k))
+
+    def finish(self, live: dict[int, _Block]) -> Recording:
+        """The recording, with the segments the allocator holds at the end: its cached and its live blocks."""
+        blocks: dict[int, list[BlockState]] = {}
+        where: dict[int, tuple[int, bool]] = {}  # segment -> (stream, small)
+        held = [(None, b) for b in self.a.blocks.values()] + [(k, b) for k, b in live.items()]
+        for key, b in held:
+            blocks.setdefault(b.segment, []).append(BlockState(b.addr, b.size, key))
+            where[b.segment] = (b.pool >> 1, b.small)
+        segments = []
+        for seg, parts in blocks.items():
+            parts.sort(key=lambda p: p.addr)
+            stream, small = where[seg]
+            segments.append(Segment(parts[0].addr, sum(p.size for p in parts), stream, small, tuple(parts)))
+        return Recording(self.actions, sorted(segments))

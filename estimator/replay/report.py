@@ -120,15 +120,24 @@ def report_from_trace(
             unsupported=list(trace.unsupported), assumptions=list(trace.assumptions), trace=trace,
         )
 
+    return report_from_step(trace, batch_size, gpu, allocator, reserve_bytes)
+
+
+def report_from_step(step: Step, batch_size: int, gpu: GPU, allocator: AllocatorConfig | None = None,
+                     reserve_bytes: int = 0) -> MemoryReport:
+    """``report_from_trace`` on a card, of any step: a trace, or an affine trace at ``batch_size`` (whose notes
+    are its model's, so none here)."""
     allocator = allocator or AllocatorConfig()
-    events, sizes, categories, streams = trace.sized(batch_size, gpu.cublas_workspace_bytes)
+    events, sizes, categories, streams = step.sized(batch_size, gpu.cublas_workspace_bytes)
     capped = replay_sized(events, sizes, categories, replace(allocator, capacity=gpu.usable_bytes(reserve_bytes)),
                           timelines=False, streams=streams)
     unlimited = capped if capped.fits else replay_sized(events, sizes, categories, replace(allocator, capacity=None),
                                                         timelines=False, streams=streams)
-    return report_from_replays(capped, unlimited, batch_size, gpu, where=peak_of(trace, capped, unlimited),
-                               unsupported=trace.unsupported, assumptions=trace.assumptions,
-                               reserve_bytes=reserve_bytes, trace=trace)
+    trace = step if isinstance(step, Trace) else None
+    return report_from_replays(capped, unlimited, batch_size, gpu, where=peak_of(step, capped, unlimited),
+                               unsupported=trace.unsupported if trace else (),
+                               assumptions=trace.assumptions if trace else (), reserve_bytes=reserve_bytes,
+                               trace=trace)
 
 
 def peak_of(step: Step, capped: ReplayResult, unlimited: ReplayResult) -> tuple[str, str, int]:

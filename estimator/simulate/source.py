@@ -37,7 +37,8 @@ class Simulator:
 
     can_simulate = True
 
-    def __init__(self, built: BuiltModel, recipe: Recipe, progress: Progress | None = None) -> None:
+    def __init__(self, built: BuiltModel, recipe: Recipe, progress: Progress | None = None, *,
+                 keep: bool = False) -> None:
         self.built = built
         self.recipe = recipe
         self.progress = progress
@@ -49,6 +50,8 @@ class Simulator:
         self._probe: Trace | None = None  # the first trace: what the step asks of a card
         self._ranks: list[int] | None = None  # distributed: the ranks that may need the most (one once known)
         self.rank_note: str | None = None  # which rank stands for the world, and why (every trace's assumption)
+        # ``keep``: every trace simulated, by (batch, signature), for ``step`` to hand out again
+        self.kept: dict[tuple[int, tuple], Trace] | None = {} if keep else None
 
     def signature(self, gpu: GPU) -> tuple:
         probe = self._probe
@@ -71,9 +74,16 @@ class Simulator:
         else:
             self.runs += 1
         self._probe = self._probe or trace
+        if self.kept is not None:
+            self.kept[batch, self.signature(gpu)] = trace
         if self.progress is not None:
             self.progress(self.runs, f"batch {batch} on {gpu.name}")
         return trace, self.runs - runs
+
+    def step(self, batch: int, gpu: GPU) -> Trace:
+        """The step at ``batch`` on ``gpu``: one simulated already (with ``keep``), else a new simulation."""
+        known = None if self.kept is None else self.kept.get((batch, self.signature(gpu)))
+        return known if known is not None else self.simulate(batch, gpu)[0]
 
     def _record(self, batch: int, gpu: GPU) -> Trace:
         if len(self._resolve_ranks()) > 1:
