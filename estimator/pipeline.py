@@ -8,14 +8,14 @@
     simulate/  full simulations of its training step (a StepSource)
     plan/      the answer: per card the max batch, the recommendation, advice
 
-``progress(done, note)`` is called after each full simulation. A portable
-profile (``make_profile``) answers the same request later, anywhere, without
-the model's code (``estimate_from_profile``). ``step_view`` is one step of the
-answer for its views: ``timeline`` and ``snapshot`` (a CUDA memory snapshot).
+``progress(done, note)`` hears each full simulation. A portable profile (``make_profile``) answers the
+request later without the model's code (``estimate_from_profile``); ``step_view`` is one step of the answer
+for its views, ``timeline`` and ``snapshot`` (a CUDA memory snapshot).
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -46,11 +46,9 @@ def estimate(request: EstimateRequest, *, built: BuiltModel | None = None, progr
              reserve_bytes: int | None = None) -> EstimateResponse:
     """Answer ``request`` (docs/API.md): per card the max and recommended batch and the memory.
 
-    The max comes from replays of the affine trace, confirmed (``confirm``:
-    'top', 'every-card' or 'none') by full simulations; when the step is not
-    affine in the batch, or a confirmation disagrees, from full simulations
-    alone. ``reserve_bytes`` stays free on every card besides the CUDA
-    context. The keyword arguments override the request's ``planner`` section.
+    The max comes from replays of the affine trace, confirmed (``confirm``: 'top', 'every-card' or 'none') by
+    full simulations; when the step is not affine in the batch, or a confirmation disagrees, from full
+    simulations alone. The keyword arguments override the request's ``planner`` section.
     """
     t0 = time.perf_counter()
     request = with_planner(request, align=align, confirm=confirm, reserve_bytes=reserve_bytes)
@@ -69,7 +67,8 @@ def _sources(request: EstimateRequest, built: BuiltModel, progress: Progress | N
     def source_for(change: Mapping[str, Any]) -> Simulator:
         job = job_of(with_changes(request, change))
         model = build(job.model, job.input) if any(k.startswith(("model.", "input.")) for k in change) else built
-        return Simulator(model, job.recipe, progress)
+        label = ", with " + ", ".join(f"{k}={json.dumps(v)}" for k, v in change.items())
+        return Simulator(model, job.recipe, progress, label=label)
     return source_for
 
 

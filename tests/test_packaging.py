@@ -269,7 +269,7 @@ def test_every_launcher_uses_the_factory() -> None:
     stale = [str(p.relative_to(ROOT)) for p in files if p.resolve() != here and p.is_file()
              and old.search(p.read_text(errors="replace"))]
     assert not stale, f"still start the service as app.main:app: {stale}"
-    cli = (ROOT / "estimator" / "cli" / "main.py").read_text()
+    cli = (ROOT / "estimator" / "cli" / "serve.py").read_text()
     assert 'uvicorn.run("app.main:create_app", factory=True' in cli
     readme = (ROOT / "README.md").read_text()
     assert "uvicorn --factory app.main:create_app" in readme and "pip install 'batchfit[service]'" in readme

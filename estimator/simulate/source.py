@@ -38,10 +38,11 @@ class Simulator:
     can_simulate = True
 
     def __init__(self, built: BuiltModel, recipe: Recipe, progress: Progress | None = None, *,
-                 keep: bool = False) -> None:
+                 keep: bool = False, label: str = "") -> None:
         self.built = built
         self.recipe = recipe
         self.progress = progress
+        self.label = label  # what this job is, for progress lines (", with training.precision=bf16")
         self.model = ModelFacts(built.name, built.parameter_count, dict(built.input), tuple(built.assumptions),
                                 built.max_seq_len)
         self.seeds: dict[tuple, Seed] = {}  # a simulator is seeded by nothing: it simulates
@@ -67,7 +68,7 @@ class Simulator:
     def simulate(self, batch: int, gpu: GPU) -> tuple[Trace, int]:
         """A full simulation at ``batch`` on ``gpu`` (collected from ``prefetch`` when one ran it), and how many
         simulations it took."""
-        runs = self.runs
+        runs, started = self.runs, time.perf_counter()
         trace = self._collect(batch, gpu) if self._pending else None
         if trace is None:
             trace = self._record(batch, gpu)
@@ -77,7 +78,8 @@ class Simulator:
         if self.kept is not None:
             self.kept[batch, self.signature(gpu)] = trace
         if self.progress is not None:
-            self.progress(self.runs, f"batch {batch} on {gpu.name}")
+            self.progress(self.runs, f"batch {batch} on {gpu.name}{self.label} "
+                                     f"({time.perf_counter() - started:.1f} s)")
         return trace, self.runs - runs
 
     def step(self, batch: int, gpu: GPU) -> Trace:

@@ -74,6 +74,11 @@ def _check_names(spec: TransformersModel) -> None:
         raise SpecError("model.preset", None, "a preset name or an inline config (or both)")
     if spec.preset is not None:
         refuse_paths(spec.preset, "model.preset")
+        if spec.preset not in presets():
+            from estimator.models.building import unknown_name
+
+            hub = " (a Hub id is not fetched: paste its config.json as model.config)" if "/" in spec.preset else ""
+            raise unknown_name("model.preset", spec.preset, sorted(presets()), f"a batchfit preset (GET /models){hub}")
     if spec.config is not None:
         check_config(spec.config)
 
