@@ -52,14 +52,19 @@ class GPU:
     peak_tflops_fp32: float
     description: str = ""
     aliases: tuple[str, ...] = ()  # GFD product labels (module docstring)
+    # what the caching allocator may hold when a run holds it below the card's usable memory (a recommendation's
+    # headroom, as torch.cuda.set_per_process_memory_fraction does): the card itself answers torch.cuda as before
+    allocator_bytes: int | None = None
 
     @property
     def cublas_workspace_bytes(self) -> int:
         return WORKSPACE_SM90 if self.capability >= (9, 0) else WORKSPACE_DEFAULT
 
     def usable_bytes(self, reserve_bytes: int = 0) -> int:
-        """What the caching allocator may hold: memory less the CUDA context and ``reserve_bytes``."""
-        return max(self.memory_bytes - self.context_bytes - reserve_bytes, 0)
+        """What the caching allocator may hold: memory less the CUDA context and ``reserve_bytes`` (at most
+        ``allocator_bytes``)."""
+        usable = self.memory_bytes - self.context_bytes - reserve_bytes
+        return max(usable if self.allocator_bytes is None else min(usable, self.allocator_bytes), 0)
 
     @property
     def compute_capability(self) -> str:

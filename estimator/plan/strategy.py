@@ -121,9 +121,10 @@ def _confirm_card(steps: Steps, card: GPU, best: int, start: int, notes: Notes) 
 
 
 def headroom_card(card: GPU, reserve_bytes: int, headroom: float) -> GPU:
-    """``card`` as the recommendation sees it: an allocator held to ``headroom_capacity``."""
+    """``card`` as the recommendation sees it: an allocator held to ``headroom_capacity`` (the same card to
+    torch.cuda, so the same simulated step)."""
     capacity = headroom_capacity(card.usable_bytes(reserve_bytes), card.context_bytes, headroom)
-    return dataclasses.replace(card, memory_bytes=capacity + card.context_bytes + reserve_bytes)
+    return dataclasses.replace(card, allocator_bytes=capacity)
 
 
 def recommend(steps: Steps, card: GPU, start: int, best: int | None, headroom: float, *, align: bool = True,
