@@ -16,15 +16,17 @@ import itertools
 import multiprocessing as mp
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from app import logs
 from app.settings import Settings
-from app.worker import JobKind, Reply, serve
+from app.worker import JobKind, Progress, Reply, serve
 from estimator.errors import Busy, LimitExceeded, WorkerDied
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+Heard = Callable[[int, str], None]  # (simulations done, which one)
 
 
 def _rss(pid: int) -> int:
@@ -61,13 +63,22 @@ class _Worker:
         how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit status {code}"
         return WorkerDied(f"the estimate's worker process died ({how}); it was replaced: retry the request")
 
-    def call(self, job_id: int, kind: JobKind, body: Any, timeout: float, memory: int) -> Reply:
+    def call(self, job_id: int, kind: JobKind, body: Any, limits: tuple[float, int],
+             progress: Heard | None = None) -> Reply:
+        """The worker's reply to the job; ``limits``: (seconds, RSS bytes); ``progress`` hears each ``Progress``
+        the worker sends meanwhile (in this thread)."""
+        timeout, memory = limits
         deadline = time.monotonic() + timeout
         try:
             self.conn.send((job_id, kind, body))
             while True:
                 if self.conn.poll(0.1):
-                    reply: Reply = self.conn.recv()  # EOFError when the worker died (poll is true at EOF)
+                    message = self.conn.recv()  # EOFError when the worker died (poll is true at EOF)
+                    if isinstance(message, Progress):
+                        if progress is not None:
+                            progress(message.simulations, message.note)
+                        continue
+                    reply: Reply = message
                     return reply
                 if not self.process.is_alive():
                     raise self._died()
@@ -173,10 +184,11 @@ class Pool:
         self._idle.put_nowait(fresh)
         logs.log("worker replaced", reason=reason, old_pid=worker.pid, pid=fresh.pid)
 
-    async def run(self, body: Any, kind: JobKind = JobKind.ESTIMATE) -> Reply:
+    async def run(self, body: Any, kind: JobKind = JobKind.ESTIMATE, progress: Heard | None = None) -> Reply:
         """A worker's reply to the job ``kind`` asks of ``body``; ``Busy``, ``LimitExceeded`` or ``WorkerDied``
         otherwise (then the worker is replaced before the error is raised). Cancelled: a job still queued
-        leaves the queue; a running job's worker is killed at once and replaced in the background."""
+        leaves the queue; a running job's worker is killed at once and replaced in the background.
+        ``progress(simulations, note)`` hears each full simulation (called in a pool thread)."""
         if self._idle.empty() and self._waiting >= self.settings.queue_size:
             raise Busy()
         self._waiting += 1
@@ -193,8 +205,8 @@ class Pool:
         loop = asyncio.get_running_loop()
         s = self.settings
         job = next(self._ids)
-        call = loop.run_in_executor(self._threads, worker.call, job, kind, body, s.request_timeout_s,
-                                    s.worker_memory_bytes)
+        call = loop.run_in_executor(self._threads, worker.call, job, kind, body,
+                                    (s.request_timeout_s, s.worker_memory_bytes), progress)
         try:
             reply: Reply = await asyncio.shield(call)  # the shield keeps the thread's future for _renew
         except (LimitExceeded, WorkerDied) as exc:

@@ -17,7 +17,9 @@ from fastapi.routing import APIRoute
 from app import logs
 from app.cache import cache_key
 from app.errors import HTTP_PROBLEMS, error_problem, problem, problem_responses
+from app.pool import Heard
 from app.shape import check_shape
+from app.stream import estimate_events, wants_events
 from app.worker import JobKind, Reply, ReplyKind
 from estimator import EstimateRequest, EstimateResponse, Timeline, catalog, check_request
 from estimator.errors import BatchfitError, Busy, LimitExceeded, SpecError, WorkerDied
@@ -70,6 +72,8 @@ async def post_estimate(request: Request, body: Job) -> Any:
     check_request(body, allow_local_code=False)
     if body.validate_step:
         return await _validate(request, body)
+    if wants_events(request):  # Accept: text/event-stream: progress, then the answer (app/stream.py)
+        return await estimate_events(request, body)
     answered = await _pooled(request, body, JobKind.ESTIMATE)
     if isinstance(answered, Response):
         return answered
@@ -130,7 +134,7 @@ async def _pooled(request: Request, body: EstimateRequest, kind: JobKind) -> tup
     if reply is None:
         return _client_left()
     if reply.kind != ReplyKind.OK:
-        return _reply_problem(reply)
+        return reply_problem(reply)
     if app.state.cache:
         await asyncio.to_thread(app.state.cache.set, key, _to_cache(kind, reply.payload))
     return reply.payload, "miss"
@@ -170,7 +174,7 @@ async def _validate(request: Request, body: EstimateRequest) -> Any:
         return _client_left()
     if reply.kind == ReplyKind.OK:
         return JSONResponse(reply.payload)
-    return _reply_problem(reply)
+    return reply_problem(reply)
 
 
 class Refused(Exception):
@@ -218,12 +222,14 @@ def _client_left() -> JSONResponse:
                                      "was cancelled unless an identical request still waits for it")
 
 
-async def run_in_pool(app: Any, body: EstimateRequest, kind: JobKind = JobKind.ESTIMATE) -> Reply:
-    """Run the job ``kind`` asks of ``body`` in a worker, with the metrics; ``Refused`` when busy or past a limit."""
+async def run_in_pool(app: Any, body: EstimateRequest, kind: JobKind = JobKind.ESTIMATE,
+                      progress: Heard | None = None) -> Reply:
+    """Run the job ``kind`` asks of ``body`` in a worker, with the metrics; ``Refused`` when busy or past a limit.
+    ``progress`` hears each full simulation (in a pool thread)."""
     metrics, t0 = app.state.metrics, time.perf_counter()
     metrics.workers_busy.inc()
     try:
-        reply: Reply = await app.state.pool.run(body, kind)
+        reply: Reply = await app.state.pool.run(body, kind, progress)
         return reply
     except asyncio.CancelledError:
         metrics.estimates_cancelled.inc()
@@ -243,7 +249,7 @@ async def run_in_pool(app: Any, body: EstimateRequest, kind: JobKind = JobKind.E
         metrics.estimate.observe(time.perf_counter() - t0)
 
 
-def _reply_problem(reply: Reply) -> JSONResponse:
+def reply_problem(reply: Reply) -> JSONResponse:
     if reply.kind == ReplyKind.ERROR:
         return error_problem(reply.error())
     return problem(500, "internal", "batchfit failed", str(reply.payload))

@@ -39,6 +39,15 @@ class JobKind(StrEnum):
     SNAPSHOT = "snapshot"  # POST /snapshot
 
 
+@dataclass(frozen=True)
+class Progress:
+    """A worker's word while its job runs: full simulation ``simulations`` is done (``note``: which one)."""
+
+    job_id: int
+    simulations: int
+    note: str
+
+
 class ReplyKind(StrEnum):
     OK = "ok"
     ERROR = "error"
@@ -106,7 +115,7 @@ def serve(conn: Connection) -> None:
                 response, validation = validate_on_gpu(request)
                 reply = Reply(job_id, ReplyKind.OK, {**to_json(response), "validation": validation_json(validation)})
             else:
-                reply = Reply(job_id, ReplyKind.OK, to_json(estimate(request)))
+                reply = Reply(job_id, ReplyKind.OK, to_json(estimate(request, progress=_progress(conn, job_id))))
         except errors.BatchfitError as exc:
             reply = Reply.failed(job_id, exc)
         except MemoryError:
@@ -115,6 +124,16 @@ def serve(conn: Connection) -> None:
         except Exception as exc:  # noqa: BLE001 - reported to the caller, the worker lives on
             reply = Reply(job_id, ReplyKind.INTERNAL, f"{type(exc).__name__}: {exc}")
         conn.send(reply)
+
+
+def _progress(conn: Connection, job_id: int) -> Any:
+    """What ``estimate`` calls after each full simulation: a ``Progress`` to the parent, counted over the job."""
+    count = [0]
+
+    def tell(done: int, note: str) -> None:
+        count[0] += 1
+        conn.send(Progress(job_id, count[0], note))
+    return tell
 
 
 def _jsonable(value: Any) -> Any:

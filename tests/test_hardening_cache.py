@@ -47,7 +47,7 @@ class StubPool:
     def __init__(self) -> None:
         self.runs = 0
 
-    async def run(self, body, kind="estimate") -> Reply:
+    async def run(self, body, kind="estimate", progress=None) -> Reply:
         self.runs += 1
         return Reply(self.runs, ReplyKind.OK, {"computed": self.runs})
 

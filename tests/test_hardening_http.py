@@ -292,3 +292,60 @@ def test_a_queued_request_whose_client_left_leaves_the_queue_and_a_shared_estima
     assert _worker_pids() == pids  # the worker ran the shared estimate to its end: never killed
     assert _metric(url, CANCELLED) == cancelled + 1  # the queued one only
     _until("both leavers are counted", lambda: _metric(url, LEFT) == left + 2)
+
+
+# --- progress as server-sent events ----------------------------------------------------------------------
+
+def _events(text: str) -> list[tuple[str, dict]]:
+    """(event, data) of a text/event-stream body; comments (keep-alives) skipped."""
+    out = []
+    for block in text.strip().split("\n\n"):
+        lines = [line for line in block.splitlines() if not line.startswith(":")]
+        if lines:
+            name = next(line[7:] for line in lines if line.startswith("event: "))
+            out.append((name, json.loads(next(line[6:] for line in lines if line.startswith("data: ")))))
+    return out
+
+
+def test_a_client_that_asks_for_events_hears_each_simulation_then_the_answer(service) -> None:
+    url, _app = service
+    body = {**SMALL, "gpus": ["L4-24GB"]}  # not cached yet
+    streamed = httpx.post(f"{url}/estimate", json=body, headers={"Accept": "text/event-stream"}, timeout=600)
+    assert streamed.status_code == 200 and streamed.headers["content-type"].startswith("text/event-stream")
+    events = _events(streamed.text)
+    kinds = [k for k, _ in events]
+    assert kinds[-1] == "result" and set(kinds[:-1]) == {"progress"} and len(kinds) > 1
+    progress = [d for k, d in events if k == "progress"]
+    assert [p["simulations"] for p in progress] == list(range(1, len(progress) + 1))
+    assert progress[0]["note"].startswith("batch 1 on L4-24GB (")
+    answer = events[-1][1]
+    assert answer["provenance"]["simulations"] == len(progress)
+    plain = httpx.post(f"{url}/estimate", json=body, timeout=600).json()  # the same answer, plainly
+    for doc in (plain, answer):
+        del doc["provenance"]["seconds"]
+    assert plain == answer
+
+
+def test_a_bad_request_is_refused_before_the_stream_and_a_failed_one_ends_it_with_its_problem(service) -> None:
+    url, _app = service
+    accept = {"Accept": "text/event-stream"}
+    bad = httpx.post(f"{url}/estimate", json={**SMALL, "gpus": ["A100-90GB"]}, headers=accept, timeout=60)
+    assert bad.status_code == 422 and bad.headers["content-type"] == PROBLEM and bad.json()["field"] == "gpus[0]"
+    failed = httpx.post(f"{url}/estimate", json={**SMALL, "model": {"source": "torchvision", "name": "resnet5"}},
+                        headers=accept, timeout=600)  # refused in the worker, after the stream began
+    (name, problem), = _events(failed.text)
+    assert name == "error" and problem["status"] == 422 and problem["field"] == "model.name"
+
+
+def test_closing_an_event_stream_cancels_its_estimate(service) -> None:
+    url, _app = service
+    pids, cancelled = _worker_pids(), _metric(url, CANCELLED)
+    with httpx.stream("POST", f"{url}/estimate", json=SLOW, headers={"Accept": "text/event-stream"},
+                      timeout=600) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("event: progress"):
+                break  # one simulation heard: leave in the middle
+    _until("the slow estimate is over (cancelled, or finished)", lambda: _metric(url, BUSY) == 0)
+    assert _metric(url, CANCELLED) == cancelled + 1
+    _until("a fresh worker replaces the killed one", lambda: len(_worker_pids()) == 1 and _worker_pids() != pids)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -187,3 +188,12 @@ def test_logs_are_json_lines_with_the_request_id() -> None:
     record.fields = {"request_id": "abc", "route": "/estimate", "status": 200}
     doc = json.loads(JSONFormatter().format(record))
     assert doc["msg"] == "request" and doc["request_id"] == "abc" and doc["status"] == 200
+
+
+def test_a_cached_answer_streams_at_once(client) -> None:
+    body = {**SMALL, "gpus": ["A10G-24GB"]}
+    plain = client.post("/estimate", json=body)
+    assert plain.status_code == 200
+    streamed = client.post("/estimate", json=body, headers={"Accept": "text/event-stream"})
+    assert streamed.headers["x-batchfit-cache"] == "hit"
+    assert streamed.text == "event: result\ndata: " + json.dumps(plain.json(), separators=(",", ":")) + "\n\n"
