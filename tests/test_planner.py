@@ -18,6 +18,7 @@ from estimator.pipeline import estimate
 from estimator.plan.affine import fit
 from estimator.plan.results import Search, SearchMethod, WarningCode
 from estimator.plan.search import headroom_capacity, recommended
+from estimator.plan.steps import Steps
 from estimator.replay.report import report_from_trace
 from estimator.request.parse import parse_request
 from estimator.simulate.recipe import Recipe
@@ -38,7 +39,7 @@ def test_synthesized_trace_equals_a_fresh_one(name: str) -> None:
     recipe = Recipe(optimizer="adamw")
     target = A100
     # the fit the planner makes: through batches 1 and 2, or 2 and 3 when batch 1 takes other paths
-    profile = Simulator(BuiltModel(name, mf, bf, lf, {}, 0), recipe).fit(1, target)
+    profile = Steps(Simulator(BuiltModel(name, mf, bf, lf, {}, 0), recipe)).fit(1, target)
     assert profile is not None
     rng = random.Random(name)
     for b in rng.sample(range(4, 200), 3):

@@ -92,15 +92,23 @@ class Suggester:
         self.levers = levers(options, text_model)
         self._steps: dict[str, Steps] = {}
         self._worlds: dict[str, Worlds] = {}
+        self._refused: set[str] = set()  # the levers this job cannot take (no blocks to checkpoint)
 
     def _of(self, lever: Lever) -> Steps | None:
-        key = repr(sorted(lever.change.items()))
+        key = _key(lever)
+        if key in self._refused:
+            return None
         if key not in self._steps:
             try:
                 self._steps[key] = Steps(self.source_for(lever.change), self.options.reserve_bytes)
             except SpecError:
+                self._refused.add(key)
                 return None  # a change this job cannot take
         return self._steps[key]
+
+    def _taken(self) -> list[Lever]:
+        """The levers not refused by this job so far."""
+        return [lever for lever in self.levers if _key(lever) not in self._refused]
 
     def _lands(self, lever: Lever, card: GPU) -> bool:
         """A batch is recommended with ``lever``: the smallest fits within the headroom."""
@@ -110,6 +118,7 @@ class Suggester:
         try:
             return steps.report(self.start, headroom_card(card, steps.reserve_bytes, self.options.headroom)).fits
         except SpecError:
+            self._refused.add(_key(lever))
             return False  # not applicable to this model (no blocks to checkpoint)
 
     def _suggestion(self, lever: Lever, card: GPU) -> Suggestion:
@@ -120,7 +129,7 @@ class Suggester:
         return Suggestion(dict(lever.change), lever.text, best, rec, changes_method=lever.method)
 
     def _worlds_of(self, base: Lever) -> Worlds:
-        key = repr(sorted(base.change.items()))
+        key = _key(base)
         if key not in self._worlds:
             self._worlds[key] = Worlds(self.source_for, self.options.reserve_bytes, "fsdp",
                                        base={**base.change, "training.distributed.strategy": "fsdp"})
@@ -129,7 +138,11 @@ class Suggester:
     def _fsdp(self, chosen: list[Lever], card: GPU) -> Suggestion | None:
         """FSDP (with the ``chosen`` levers) over the fewest ranks (2 to 1024) at which a batch is recommended;
         then, at that world, the levers it does not need dropped (the last first: the most expensive)."""
-        world = self._worlds_of(stacked(chosen)).min_world(card, self.start, least=2, headroom=self.options.headroom)
+        try:
+            world = self._worlds_of(stacked(chosen)).min_world(card, self.start, least=2,
+                                                               headroom=self.options.headroom)
+        except SpecError:
+            return None  # a lever this job cannot take under FSDP
         if world is None:
             return None
         kept = list(chosen)
@@ -149,21 +162,25 @@ class Suggester:
         """The checked changes for ``card``, cheapest first: each single lever that lands, else their first stack
         that does; then FSDP over the fewest ranks (with that stack when FSDP alone is not enough)."""
         out = [self._suggestion(lever, card) for lever in self.levers if self._lands(lever, card)]
-        stack = Lever({}, "")
+        taken = self._taken()
         if not out:
-            for n in range(2, len(self.levers) + 1):
-                stack = stacked(self.levers[:n])
+            for n in range(2, len(taken) + 1):
+                stack = stacked(taken[:n])
                 if self._lands(stack, card):
                     out.append(self._suggestion(stack, card))
                     break
         fsdp = self._fsdp([], card)
-        if fsdp is None and not out and len(self.levers) > 1:
-            fsdp = self._fsdp(self.levers, card)
+        if fsdp is None and not out and len(taken) > 1:
+            fsdp = self._fsdp(taken, card)
         return out + ([fsdp] if fsdp is not None else [])
 
     @property
     def simulations(self) -> int:
         return sum(s.simulations for s in self._steps.values()) + sum(w.simulations for w in self._worlds.values())
+
+
+def _key(lever: Lever) -> str:
+    return repr(sorted(lever.change.items()))
 
 
 def _words(s: Suggestion) -> str:
