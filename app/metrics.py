@@ -36,6 +36,14 @@ class Metrics:
                                 "estimate that was still running", ["verb"], registry=self.registry)
         self.k8s_estimates = Counter("batchfit_k8s_estimates_total", "estimate jobs started for Kubernetes calls",
                                      registry=self.registry)
+        self.k8s_holds = Counter("batchfit_k8s_holds_total", "GPU nodes the filter failed as pending (their card's "
+                                 "estimate still running at the deadline, BATCHFIT_K8S_WHEN_LATE=hold), by card",
+                                 ["card"], registry=self.registry)
+        self.k8s_held = Gauge("batchfit_k8s_held_pods", "pods held now: failed on a card as pending and not yet "
+                              "answered for it, by card", ["card"], registry=self.registry)
+        self.k8s_hold_wait = Histogram("batchfit_k8s_hold_wait_seconds", "from a pod's first hold on a card to the "
+                                       "filter call that answered it for that card", ["card"],
+                                       buckets=(1, 2, 5, 10, 20, 40, 80, 160, 320, 640, 1280), registry=self.registry)
         for verb in ("filter", "prioritize", "mutate"):
             self.k8s_late.labels(verb)
             for outcome in ("not-opted-in", "answered", "late", "error"):

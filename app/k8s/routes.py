@@ -22,7 +22,8 @@ from app import logs
 from app.errors import problem_responses
 from app.k8s.extender import filter_nodes, passing_all, prioritize_nodes, scoring_none
 from app.k8s.pods import listing, mapping
-from app.k8s.webhook import mutate, review_request, unchanged_review
+from app.k8s.review import review_request, unchanged_review
+from app.k8s.webhook import mutate
 from app.shape import check_shape
 from estimator.errors import SpecError
 
