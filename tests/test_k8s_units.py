@@ -248,7 +248,10 @@ def test_the_need_in_whole_gi() -> None:
     assert [need_gi(n) for n in (1, GI - 1, GI, GI + 1, 43 * GI)] == [1, 1, 1, 2, 43]
     assert memory_selector(43) == "device.capacity['gpu.nvidia.com'].memory.compareTo(quantity('43Gi')) >= 0"
     assert find_gpu(REFERENCE_CARD) is CATALOG[REFERENCE_CARD]
+    # the reference card over-estimates the others: the catalog's largest context and cuBLAS workspace
     assert CATALOG[REFERENCE_CARD].context_bytes == max(g.context_bytes for g in CATALOG.values())
+    assert CATALOG[REFERENCE_CARD].cublas_workspace_bytes == max(g.cublas_workspace_bytes for g in CATALOG.values())
+    assert CATALOG[REFERENCE_CARD].memory_bytes == max(g.memory_bytes for g in CATALOG.values())
 
 
 GPU = {"deviceClassName": "gpu.nvidia.com", "allocationMode": "ExactCount", "count": 1}

@@ -17,6 +17,10 @@ The change is a JSONPatch (RFC 6902, base64 in ``patch``) that sets in the env o
 and the annotation ``batchfit.io/estimate``, a one-line summary. Everything else (the card unknown, the
 estimate late or failing, a bad annotation) allows the pod unchanged with a ``warnings`` entry, which kubectl
 shows to whoever created the pod.
+
+Every pod that opted in also has its estimate started, without waiting, on the cluster's cards
+(``BATCHFIT_K8S_CARDS`` and those the extender has seen), so that the scheduler's filter finds the answers.
+A ``resource.k8s.io`` ResourceClaim or ResourceClaimTemplate is answered by app/k8s/claims.py.
 """
 
 from __future__ import annotations
