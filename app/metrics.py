@@ -29,8 +29,9 @@ class Metrics:
                                            registry=self.registry)
 
         self.k8s_calls = Counter("batchfit_k8s_calls_total", "Kubernetes calls by verb and outcome: not-opted-in "
-                                 "(no batchfit.io/spec), answered, late (an estimate past the deadline: the pod "
-                                 "passed, the estimate goes on for the retry), error (the pod passed)",
+                                 "(no batchfit.io/spec), answered, late (an estimate past the deadline: its nodes "
+                                 "held, or passed with BATCHFIT_K8S_WHEN_LATE=pass; the estimate goes on for the "
+                                 "retry), error (the pod passed)",
                                  ["verb", "outcome"], registry=self.registry)
         self.k8s_late = Counter("batchfit_k8s_late_total", "Kubernetes calls answered at the deadline without an "
                                 "estimate that was still running", ["verb"], registry=self.registry)

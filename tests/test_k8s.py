@@ -360,6 +360,26 @@ def test_a_late_estimate_holds_the_gpu_nodes_and_the_retry_hits(tmp_path) -> Non
         assert metric(late, "batchfit_k8s_estimates_total") == 1
 
 
+def test_a_defect_passes_every_node_even_when_holding(client, monkeypatch) -> None:
+    """A fault inside batchfit (here: looking answers up raises) is no reason to hold a pod: every node passes,
+    prioritize scores 0, the call is counted as an error."""
+    app: Any = client.app
+    assert app.state.settings.k8s_when_late == "hold"
+
+    async def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(app.state.k8s, "answers", broken)
+    errors = metric(client, 'batchfit_k8s_calls_total{outcome="error",verb="filter"}')
+    args = body("filter")
+    out = client.post("/k8s/filter", json=args).json()
+    assert out["NodeNames"] == ["gpu-t4-1", "gpu-a100-80-1", "gpu-l4-1"] and out["Nodes"] == args["Nodes"]
+    assert out["FailedNodes"] == {} and out["FailedAndUnresolvableNodes"] == {} and out["Error"] == ""
+    assert metric(client, 'batchfit_k8s_calls_total{outcome="error",verb="filter"}') == errors + 1
+    scores = client.post("/k8s/prioritize", json=body("prioritize")).json()
+    assert scores == [{"Host": "gpu-a100-80-1", "Score": 0}, {"Host": "gpu-l4-1", "Score": 0}]
+
+
 LLAMA_POD = {"model": {"source": "transformers", "preset": "llama-3-8b"}, "input": {"seq_len": 1024},
              "training": {"precision": "bf16", "optimizer": {"name": "adafactor"}}, "planner": {"curve_points": 0}}
 
