@@ -29,13 +29,22 @@ class Metrics:
                                            registry=self.registry)
 
         self.k8s_calls = Counter("batchfit_k8s_calls_total", "Kubernetes calls by verb and outcome: not-opted-in "
-                                 "(no batchfit.io/spec), answered, late (an estimate past the deadline: the pod "
-                                 "passed, the estimate goes on for the retry), error (the pod passed)",
+                                 "(no batchfit.io/spec), answered, late (an estimate past the deadline: its nodes "
+                                 "held, or passed with BATCHFIT_K8S_WHEN_LATE=pass; the estimate goes on for the "
+                                 "retry), error (the pod passed)",
                                  ["verb", "outcome"], registry=self.registry)
         self.k8s_late = Counter("batchfit_k8s_late_total", "Kubernetes calls answered at the deadline without an "
                                 "estimate that was still running", ["verb"], registry=self.registry)
         self.k8s_estimates = Counter("batchfit_k8s_estimates_total", "estimate jobs started for Kubernetes calls",
                                      registry=self.registry)
+        self.k8s_holds = Counter("batchfit_k8s_holds_total", "GPU nodes the filter failed as pending (their card's "
+                                 "estimate still running at the deadline, BATCHFIT_K8S_WHEN_LATE=hold), by card",
+                                 ["card"], registry=self.registry)
+        self.k8s_held = Gauge("batchfit_k8s_held_pods", "pods held now: failed on a card as pending and not yet "
+                              "answered for it, by card", ["card"], registry=self.registry)
+        self.k8s_hold_wait = Histogram("batchfit_k8s_hold_wait_seconds", "from a pod's first hold on a card to the "
+                                       "filter call that answered it for that card", ["card"],
+                                       buckets=(1, 2, 5, 10, 20, 40, 80, 160, 320, 640, 1280), registry=self.registry)
         for verb in ("filter", "prioritize", "mutate"):
             self.k8s_late.labels(verb)
             for outcome in ("not-opted-in", "answered", "late", "error"):

@@ -10,9 +10,12 @@ to ``create_app``.
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from estimator.gpus import find_gpu
 
 
 class Settings(BaseSettings):
@@ -38,6 +41,11 @@ class Settings(BaseSettings):
                                   "under kube-scheduler's extender httpTimeout and the webhook's timeoutSeconds (5 s)")
     webhook_deny_unfit: bool = Field(False, description="POST /k8s/mutate denies a pod whose job does not fit its "
                                      "pinned card even at batch 1 (else it is allowed, with a warning)")
+    k8s_when_late: Literal["hold", "pass"] = Field("hold", description="a GPU node whose card has no answer by "
+                                                  "the deadline: 'hold' fails it as resolvable (FailedNodes: "
+                                                  "kube-scheduler retries the pod), 'pass' passes it as if it fit")
+    k8s_cards: str = Field("", description="comma-separated cards the cluster has (catalog names or GFD product "
+                           "labels): the webhook starts a pod's estimate on them, and on the cards the extender saw")
     k8s_without_key: bool = Field(False, description="the /k8s/ routes need no API key even when keys are set "
                                   "(kube-scheduler's extender cannot send one: restrict them by network policy)")
 
@@ -48,6 +56,20 @@ class Settings(BaseSettings):
         if v.strip() and any(not k.strip() for k in v.split(",")):
             raise ValueError("BATCHFIT_API_KEYS: every comma-separated key must be non-empty")
         return v
+
+    @field_validator("k8s_cards")
+    @classmethod
+    def _known_cards(cls, v: str) -> str:
+        """A card the catalog does not know would never be estimated: a startup error naming it."""
+        unknown = [n.strip() for n in v.split(",") if n.strip() and find_gpu(n.strip()) is None]
+        if unknown:
+            raise ValueError(f"BATCHFIT_K8S_CARDS: {', '.join(map(repr, unknown))} is not a card batchfit knows "
+                             "(expected catalog names or GFD nvidia.com/gpu.product labels, see GET /gpus)")
+        return v
+
+    def card_names(self) -> list[str]:
+        """``k8s_cards`` as a list: ``"Tesla-T4, A100-80GB"`` -> ``["Tesla-T4", "A100-80GB"]``."""
+        return [n.strip() for n in self.k8s_cards.split(",") if n.strip()]
 
     def keys(self) -> list[str]:
         return [k.strip() for k in self.api_keys.split(",") if k.strip()]

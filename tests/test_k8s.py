@@ -16,6 +16,9 @@ import jsonpatch
 import pytest
 from fastapi.testclient import TestClient
 
+from app.k8s.answers import card_key
+from app.k8s.cards import node_card
+from app.k8s.pods import training_pod
 from app.main import create_app
 from app.settings import Settings
 
@@ -284,30 +287,159 @@ def test_mutate_an_unfit_pod(client) -> None:
                       "status": {"code": 403, "reason": "Forbidden", "message": message}}
 
 
+def wait_for_estimates(app: Any) -> None:
+    """Until no Kubernetes estimate is running (a job outlives the call that started it)."""
+    for _ in range(1200):
+        if not app.state.k8s._pending:
+            return
+        time.sleep(0.5)
+    raise AssertionError("the estimates did not finish in 10 minutes")
+
+
 def test_a_late_estimate_passes_every_node_and_the_retry_hits(tmp_path) -> None:
-    """The miss path: the call answers at its deadline, while the estimate is still running; the estimate
-    goes on in the background, and the scheduler's next attempt gets the real answer from it."""
+    """BATCHFIT_K8S_WHEN_LATE=pass, the miss path: the call answers at its deadline, while the estimate is still
+    running, and passes every node; the estimate goes on in the background, and the scheduler's next attempt
+    gets the real answer from it."""
     app = create_app(Settings(workers=1, queue_size=8, cache_path=str(tmp_path / "c.sqlite"), request_timeout_s=300,
-                              k8s_deadline_s=0.2))
+                              k8s_deadline_s=0.2, k8s_when_late="pass"))
     args = body("filter")
     with TestClient(app) as late:
         first = late.post("/k8s/filter", json=args).json()
         running = set(app.state.k8s._pending.values())  # one job for the three cards, outliving the call
         assert len(running) == 1 and not next(iter(running)).done()
         assert first["NodeNames"] == ["gpu-t4-1", "gpu-a100-80-1", "gpu-l4-1"]
-        assert first["FailedAndUnresolvableNodes"] == {}
+        assert first["FailedAndUnresolvableNodes"] == {} and first["FailedNodes"] == {}
         assert metric(late, 'batchfit_k8s_late_total{verb="filter"}') == 1
+        assert metric(late, 'batchfit_k8s_holds_total{card="Tesla-T4"}') == 0  # passed, not held
         scores = late.post("/k8s/prioritize", json=body("prioritize")).json()  # a subset of the same cards
         assert all(s["Score"] == 0 for s in scores)
-        for _ in range(600):
-            if not app.state.k8s._pending:
-                break
-            time.sleep(0.5)
+        wait_for_estimates(app)
         retry = late.post("/k8s/filter", json=args).json()
         assert retry["NodeNames"] == ["gpu-a100-80-1", "gpu-l4-1"] and list(retry["FailedAndUnresolvableNodes"]) == [
             "gpu-t4-1"]
         assert metric(late, "batchfit_k8s_estimates_total") == 1  # one job served every call
         assert metric(late, 'batchfit_k8s_calls_total{outcome="answered",verb="filter"}') == 1
+
+
+def test_a_late_estimate_holds_the_gpu_nodes_and_the_retry_hits(tmp_path) -> None:
+    """BATCHFIT_K8S_WHEN_LATE=hold (the default): the GPU nodes without an answer at the deadline fail as
+    resolvable (FailedNodes), so kube-scheduler keeps the pod and retries it; a node without GPU labels still
+    passes; nothing is ranked as if it fit; the retry is judged, and the held pod's wait is measured."""
+    app = create_app(Settings(workers=1, queue_size=8, cache_path=str(tmp_path / "c.sqlite"), request_timeout_s=300,
+                              k8s_deadline_s=0.2))
+    args = body("filter")
+    cpu = copy.deepcopy(args["Nodes"]["items"][0])
+    cpu["metadata"]["name"] = "cpu-1"
+    cpu["metadata"]["labels"] = {k: v for k, v in cpu["metadata"]["labels"].items() if "nvidia.com" not in k}
+    args["Nodes"]["items"].append(cpu)
+    with TestClient(app) as late:
+        first = late.post("/k8s/filter", json=args).json()
+        running = set(app.state.k8s._pending.values())
+        assert len(running) == 1 and not next(iter(running)).done()  # answered while the estimate runs
+        assert first["NodeNames"] == ["cpu-1"] and first["Nodes"]["items"] == [cpu]
+        assert first["FailedNodes"] == {
+            "gpu-t4-1": "batchfit: estimate pending for Tesla-T4; retry",
+            "gpu-a100-80-1": "batchfit: estimate pending for NVIDIA-A100-SXM4-80GB; retry",
+            "gpu-l4-1": "batchfit: estimate pending for NVIDIA-L4; retry"}
+        assert first["FailedAndUnresolvableNodes"] == {} and first["Error"] == ""
+        scores = late.post("/k8s/prioritize", json=body("prioritize")).json()
+        assert scores == [{"Host": "gpu-a100-80-1", "Score": 0}, {"Host": "gpu-l4-1", "Score": 0}]
+        again = late.post("/k8s/filter", json=args).json()  # a retry before the answer: held again
+        assert again["FailedNodes"] == first["FailedNodes"]
+        assert metric(late, 'batchfit_k8s_holds_total{card="Tesla-T4"}') == 2
+        assert metric(late, 'batchfit_k8s_held_pods{card="Tesla-T4"}') == 1  # one pod, held twice
+        assert metric(late, 'batchfit_k8s_held_pods{card="NVIDIA-L4"}') == 1
+        wait_for_estimates(app)
+        retry = late.post("/k8s/filter", json=args).json()
+        assert retry["NodeNames"] == ["gpu-a100-80-1", "gpu-l4-1", "cpu-1"] and retry["FailedNodes"] == {}
+        assert list(retry["FailedAndUnresolvableNodes"]) == ["gpu-t4-1"]
+        for card in ("Tesla-T4", "NVIDIA-A100-SXM4-80GB", "NVIDIA-L4"):
+            assert metric(late, f'batchfit_k8s_held_pods{{card="{card}"}}') == 0
+            assert metric(late, f'batchfit_k8s_hold_wait_seconds_count{{card="{card}"}}') == 1
+            assert metric(late, f'batchfit_k8s_hold_wait_seconds_sum{{card="{card}"}}') > 0
+        assert metric(late, "batchfit_k8s_estimates_total") == 1
+
+
+def test_a_defect_passes_every_node_even_when_holding(client, monkeypatch) -> None:
+    """A fault inside batchfit (here: looking answers up raises) is no reason to hold a pod: every node passes,
+    prioritize scores 0, the call is counted as an error."""
+    app: Any = client.app
+    assert app.state.settings.k8s_when_late == "hold"
+
+    async def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(app.state.k8s, "answers", broken)
+    errors = metric(client, 'batchfit_k8s_calls_total{outcome="error",verb="filter"}')
+    args = body("filter")
+    out = client.post("/k8s/filter", json=args).json()
+    assert out["NodeNames"] == ["gpu-t4-1", "gpu-a100-80-1", "gpu-l4-1"] and out["Nodes"] == args["Nodes"]
+    assert out["FailedNodes"] == {} and out["FailedAndUnresolvableNodes"] == {} and out["Error"] == ""
+    assert metric(client, 'batchfit_k8s_calls_total{outcome="error",verb="filter"}') == errors + 1
+    scores = client.post("/k8s/prioritize", json=body("prioritize")).json()
+    assert scores == [{"Host": "gpu-a100-80-1", "Score": 0}, {"Host": "gpu-l4-1", "Score": 0}]
+
+
+LLAMA_POD = {"model": {"source": "transformers", "preset": "llama-3-8b"}, "input": {"seq_len": 1024},
+             "training": {"precision": "bf16", "optimizer": {"name": "adafactor"}}, "planner": {"curve_points": 0}}
+
+
+def test_a_fresh_service_never_passes_a_t4_blind(tmp_path) -> None:
+    """An uncached llama-3-8b pod over a T4 node and an A100 node, on a service with an empty cache: the first
+    filter call answers at its deadline, while the estimate still runs, and does not pass the T4; once the
+    estimate is done, the T4 fails as unresolvable and the A100 is judged by its answer."""
+    app = create_app(Settings(workers=1, queue_size=8, cache_path=str(tmp_path / "c.sqlite"), request_timeout_s=600,
+                              k8s_deadline_s=0.5))
+    args = body("filter")
+    args["Nodes"]["items"] = args["Nodes"]["items"][:2]  # gpu-t4-1, gpu-a100-80-1
+    args["Pod"]["metadata"]["annotations"] = {"batchfit.io/spec": json.dumps(LLAMA_POD), "batchfit.io/batch-size": "1"}
+    with TestClient(app) as fresh:
+        first = fresh.post("/k8s/filter", json=args).json()
+        running = set(app.state.k8s._pending.values())
+        assert len(running) == 1 and not next(iter(running)).done()  # within the deadline: the job still runs
+        assert "gpu-t4-1" not in first["NodeNames"] and first["Nodes"]["items"] == []
+        assert first["FailedNodes"]["gpu-t4-1"] == "batchfit: estimate pending for Tesla-T4; retry"
+        wait_for_estimates(app)
+        retry = fresh.post("/k8s/filter", json=args).json()
+        assert re.fullmatch(r"needs \d+\.\d GiB at batch 1; Tesla-T4 has \d+\.\d GiB usable",
+                            retry["FailedAndUnresolvableNodes"]["gpu-t4-1"])
+        assert retry["FailedNodes"] == {}
+        pod = training_pod(args["Pod"])
+        a100 = node_card(args["Nodes"]["items"][1]["metadata"]["labels"])
+        _, stored = app.state.k8s._memory[card_key(pod.request, a100)]  # the A100's answer, as the job stored it
+        fits = stored["result"]["memory"]["fits"]
+        assert ("gpu-a100-80-1" in retry["NodeNames"]) is fits
+        assert ("gpu-a100-80-1" in retry["FailedAndUnresolvableNodes"]) is not fits
+        assert fits  # pure bf16 with Adafactor: an 8B model trains on 80 GB at batch 1, not on 16 GB
+
+
+def test_the_webhook_starts_a_pods_estimates_on_the_clusters_cards(tmp_path) -> None:
+    """At a pod's CREATE the webhook starts its estimate on BATCHFIT_K8S_CARDS and on the cards the extender has
+    seen, without waiting (the pod below is pinned to nothing); the filter then finds the answers ready."""
+    app = create_app(Settings(workers=1, queue_size=8, cache_path=str(tmp_path / "c.sqlite"), request_timeout_s=300,
+                              k8s_deadline_s=0.05, k8s_cards="Tesla-T4"))
+    review = body("admission_unpinned")
+    pod = review["request"]["object"]
+    args = body("filter")
+    args["Pod"]["metadata"]["annotations"] = dict(pod["metadata"]["annotations"])
+    with TestClient(app) as c:
+        (warning,) = c.post("/k8s/mutate", json=review).json()["response"]["warnings"]
+        assert warning.startswith("batchfit: not changed: the pod is not pinned to a GPU type")
+        assert len(app.state.k8s._pending) == 1 and metric(c, "batchfit_k8s_estimates_total") == 1  # the T4
+        wait_for_estimates(app)
+        out = c.post("/k8s/filter", json=args).json()  # the T4 ready; the A100 and L4 nodes seen for the first time
+        assert set(out["FailedNodes"]) == {"gpu-a100-80-1", "gpu-l4-1"}
+        assert "gpu-t4-1" not in out["FailedNodes"] and "gpu-t4-1" not in out["NodeNames"]  # judged at once
+        wait_for_estimates(app)
+        pod["metadata"]["annotations"]["batchfit.io/batch-size"] = "32"  # another request: nothing known for it
+        args["Pod"]["metadata"]["annotations"]["batchfit.io/batch-size"] = "32"
+        c.post("/k8s/mutate", json=review)
+        assert len(app.state.k8s._pending) == 3  # the configured T4 and the two cards seen, in one job
+        assert metric(c, "batchfit_k8s_estimates_total") == 3
+        wait_for_estimates(app)
+        ready = c.post("/k8s/filter", json=args).json()
+        assert ready["FailedNodes"] == {} and metric(c, "batchfit_k8s_estimates_total") == 3  # all found ready
+        assert metric(c, 'batchfit_k8s_calls_total{outcome="answered",verb="filter"}') == 1
 
 
 def test_keys_and_body_limits_of_the_k8s_routes(tmp_path) -> None:

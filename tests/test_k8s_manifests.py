@@ -23,6 +23,7 @@ import pytest
 import yaml
 from kubernetes.client import ApiClient
 
+from app.k8s.claims import CLAIM_GROUP, EXACT_VERSIONS, FLAT_VERSIONS, GPU_CLASSES, REFERENCE_CARD, gpu_places
 from app.settings import Settings
 from estimator import parse_request
 from estimator.gpus import CATALOG
@@ -31,7 +32,7 @@ pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
-FILES = {"batchfit.yaml", "scheduler-config.yaml", "webhook.yaml", "example-pod.yaml"}
+FILES = {"batchfit.yaml", "scheduler-config.yaml", "webhook.yaml", "example-pod.yaml", "example-claim.yaml"}
 
 # a Go struct's json names, each with the JSON value types it decodes from
 Fields = dict[str, type | tuple[type, ...]]
@@ -100,7 +101,8 @@ def test_every_document_parses() -> None:
         assert (K8S / name).read_text().startswith("#"), f"{name}: opens with a comment saying how it is used"
     assert sorted((name, doc["kind"]) for name, doc in docs) == [
         ("batchfit.yaml", "Deployment"), ("batchfit.yaml", "Namespace"), ("batchfit.yaml", "Service"),
-        ("batchfit.yaml", "ServiceAccount"), ("example-pod.yaml", "Pod"),
+        ("batchfit.yaml", "ServiceAccount"), ("example-claim.yaml", "Job"),
+        ("example-claim.yaml", "ResourceClaimTemplate"), ("example-pod.yaml", "Pod"),
         ("scheduler-config.yaml", "KubeSchedulerConfiguration"), ("webhook.yaml", "MutatingWebhookConfiguration"),
     ]
 
@@ -174,7 +176,8 @@ def test_core_kinds_round_trip_through_the_official_client() -> None:
         checked.add(doc["kind"])
         problems = _client_problems(doc)
         assert not problems, f"{name} {doc['kind']}: " + "; ".join(problems)
-    assert checked == {"Namespace", "ServiceAccount", "Deployment", "Service", "Pod", "MutatingWebhookConfiguration"}
+    assert checked == {"Namespace", "ServiceAccount", "Deployment", "Service", "Pod", "MutatingWebhookConfiguration",
+                       "ResourceClaimTemplate", "Job"}
     assert other == {"KubeSchedulerConfiguration"}  # checked against kube-scheduler's types below
 
 
@@ -204,6 +207,15 @@ def test_the_round_trip_catches_a_misspelled_or_mistyped_field() -> None:
     assert _model_name("batch/v1", "Deployment") is None
     assert _model_name("apps/v1", "Deploymnet") is None
     assert _model_name("apps/v2", "Deployment") is None
+    assert _model_name("resource.k8s.io/v1", "ResourceClaimTemplate") == "V1ResourceClaimTemplate"
+    assert _model_name("resource.k8s.io/v1beta1", "ResourceClaimTemplate") == "V1beta1ResourceClaimTemplate"
+
+    # a v1beta1-shaped request (no ``exactly``) in a v1 template: the client drops its device class
+    template = copy.deepcopy(_one("ResourceClaimTemplate"))
+    (request,) = template["spec"]["spec"]["devices"]["requests"]
+    request.update(request.pop("exactly"))
+    assert "spec.spec.devices.requests[0].deviceClassName: dropped by the client (not a field of this kind)" in (
+        _client_problems(template))
 
 
 # --- kube-scheduler's configuration ---------------------------------------------------------------------------
@@ -318,7 +330,11 @@ def test_webhook_reaches_the_service_and_never_blocks() -> None:
                   if "secret" in v)
     assert config["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == f"{target['namespace']}/{secret}"
     assert hook["rules"] == [{"operations": ["CREATE"], "apiGroups": [""], "apiVersions": ["v1"],
-                              "resources": ["pods"], "scope": "Namespaced"}]
+                              "resources": ["pods"], "scope": "Namespaced"},
+                             {"operations": ["CREATE"], "apiGroups": ["resource.k8s.io"],
+                              "apiVersions": ["v1", "v1beta2", "v1beta1"],  # the shapes app/k8s/claims.py reads
+                              "resources": ["resourceclaims", "resourceclaimtemplates"], "scope": "Namespaced"}]
+    assert set(hook["rules"][1]["apiVersions"]) == set(EXACT_VERSIONS + FLAT_VERSIONS)
     assert hook["objectSelector"] == {"matchLabels": {"batchfit.io/enabled": "true"}}
     assert hook["failurePolicy"] == "Ignore" and hook["timeoutSeconds"] == 5
     assert hook["sideEffects"] == "None" and hook["admissionReviewVersions"] == ["v1"]
@@ -443,6 +459,33 @@ def test_example_pod_is_a_valid_request_for_its_gpu() -> None:
     script = container["command"][-1]
     assert container["command"][:2] == ["sh", "-c"]
     assert "${BATCHFIT_BATCH_SIZE:-" + batch + "}" in script and "${BATCHFIT_GRAD_ACCUM:-1}" in script
+
+
+def test_example_claim_template_is_a_valid_request_for_a_gpu() -> None:
+    template, job = _one("ResourceClaimTemplate"), _one("Job")
+    hook = _one("MutatingWebhookConfiguration")["webhooks"][0]
+    annotations = template["metadata"]["annotations"]
+    spec = yaml.safe_load(annotations["batchfit.io/spec"])
+    assert isinstance(spec, dict) and "gpus" not in spec
+    request = parse_request({**spec, "gpus": [REFERENCE_CARD]})
+    from estimator.models.sources.transformers import presets  # imports torch: here only
+
+    assert request.model.preset in presets()
+    batch = annotations["batchfit.io/batch-size"]
+    assert isinstance(batch, str) and batch.isdigit() and int(batch) > 0
+    # the webhook sees its creation, and sizes its one request, of NVIDIA's GPU class
+    assert hook["objectSelector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
+    assert template["apiVersion"] == f"{CLAIM_GROUP}/v1"
+    (gpu,) = gpu_places(template, "ResourceClaimTemplate", "v1")
+    assert gpu.request["deviceClassName"] in GPU_CLASSES and "selectors" not in gpu.request
+    # the Job's pod claims a device from the template, for its container, and runs the batch the claim is sized for
+    pod = job["spec"]["template"]["spec"]
+    (claim,) = pod["resourceClaims"]
+    assert claim["resourceClaimTemplateName"] == template["metadata"]["name"]
+    (container,) = pod["containers"]
+    assert container["resources"]["claims"] == [{"name": claim["name"]}] and "limits" not in container["resources"]
+    assert container["command"][container["command"].index("--batch-size") + 1] == batch
+    assert pod["restartPolicy"] == "Never"
 
 
 def test_the_paths_are_the_apps_routes() -> None:

@@ -6,14 +6,29 @@ import json
 
 import jsonpatch
 import pytest
+from pydantic import ValidationError
 
 from app.k8s.cards import node_card
+from app.k8s.claims import (
+    REFERENCE_CARD,
+    claim_version,
+    gpu_places,
+    memory_selector,
+    need_bytes,
+    need_gi,
+    selector_ops,
+)
+from app.k8s.cluster import ClusterCards
+from app.k8s.holds import HOLD_TTL_S, Holds, pod_key
 from app.k8s.pods import gpu_containers, pinned_products, training_pod
 from app.k8s.webhook import patch_ops
+from app.metrics import Metrics
+from app.settings import Settings
 from estimator.errors import SpecError, UnknownGPUError
 from estimator.gpus import CATALOG, MIB, catalog, custom_name_problem, find_gpu, get_gpu
 
 pytestmark = pytest.mark.unit
+GI = 2**30
 
 
 @pytest.mark.parametrize("label, card", [
@@ -168,3 +183,118 @@ def test_patch_ops_add_replace_and_escape() -> None:
 def test_an_accepted_batch_annotation() -> None:
     assert training_pod(_pod({"batchfit.io/spec": SPEC, "batchfit.io/batch-size": "0032"})).batch == 32
     assert training_pod(_pod({"batchfit.io/spec": SPEC, "batchfit.io/batch-size": str(2**20)})).batch == 2**20
+
+
+# --- held pods, the cluster's cards, DRA claims -----------------------------------------------------------------
+
+def test_holds_count_pods_by_card_and_time_their_wait() -> None:
+    metrics = Metrics()
+    holds = Holds(metrics)
+
+    def value(name: str, card: str) -> float | None:
+        return metrics.registry.get_sample_value(name, {"card": card})
+
+    holds.hold("pod-a", ["Tesla-T4", "NVIDIA-L4"], now=100.0)
+    holds.hold("pod-a", ["Tesla-T4"], now=110.0)  # retried, still pending: counted, not timed again
+    holds.hold("pod-b", ["Tesla-T4"], now=120.0)
+    assert value("batchfit_k8s_holds_total", "Tesla-T4") == 3 and value("batchfit_k8s_held_pods", "Tesla-T4") == 2
+    assert holds.answered("pod-a", ["Tesla-T4", "NVIDIA-A100-SXM4-80GB"], now=130.0) == [30.0]  # from the first hold
+    assert value("batchfit_k8s_held_pods", "Tesla-T4") == 1
+    assert value("batchfit_k8s_hold_wait_seconds_count", "Tesla-T4") == 1
+    assert value("batchfit_k8s_hold_wait_seconds_sum", "Tesla-T4") == 30.0
+    assert holds.answered("pod-a", ["Tesla-T4"], now=140.0) == []  # released once
+    holds.hold("pod-c", ["Tesla-T4"], now=100.0 + HOLD_TTL_S)  # pod-a's L4 hold has expired: forgotten, not timed
+    assert value("batchfit_k8s_held_pods", "NVIDIA-L4") == 0
+    assert value("batchfit_k8s_hold_wait_seconds_count", "NVIDIA-L4") is None  # never observed
+    assert pod_key({"metadata": {"uid": "u-1", "name": "p"}}) == "u-1"
+    assert pod_key({"metadata": {"name": "p", "namespace": "ml"}}) == "ml/p"
+
+
+def test_cluster_cards() -> None:
+    seen = ClusterCards()
+    a100 = {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB", "nvidia.com/gpu.memory": "81920",
+            "kubernetes.io/hostname": "gpu-a100-80-1"}
+    seen.saw(a100)
+    seen.saw({**a100, "kubernetes.io/hostname": "gpu-a100-80-2"})  # the same card: one entry
+    seen.saw({"kubernetes.io/hostname": "cpu-1"})  # no GPU labels: no card
+    seen.saw({"nvidia.com/gpu.product": "NVIDIA-Mystery"})  # nobody can size it: kept, but no card
+    assert [c.label for c in seen.cards([], None)] == ["NVIDIA-A100-SXM4-80GB"]
+    configured = seen.cards(["Tesla-T4", "A100-80GB"], None)  # a catalog name is the A100's card too
+    assert [(c.label, c.gpu.name) for c in configured] == [("Tesla-T4", "T4-16GB"), ("A100-80GB", "A100-80GB")]
+    sliced = seen.cards(["H100-80GB"], "1g.10gb")  # the slice a pod requests, on each card that has it
+    assert [c.gpu.name for c in sliced] == ["H100-80GB-MIG-1g.10gb", "A100-80GB-MIG-1g.10gb"]
+    assert [c.gpu.name for c in seen.cards(["Tesla-T4"], "1g.10gb")] == ["A100-80GB-MIG-1g.10gb"]  # a T4 has no MIG
+
+
+def test_k8s_settings() -> None:
+    assert Settings().k8s_when_late == "hold" and Settings().card_names() == []
+    assert Settings(k8s_cards=" Tesla-T4 ,A100-80GB,").card_names() == ["Tesla-T4", "A100-80GB"]
+    with pytest.raises(ValidationError, match="'NVIDIA-Z9000' is not a card batchfit knows"):
+        Settings(k8s_cards="Tesla-T4,NVIDIA-Z9000")
+    with pytest.raises(ValidationError, match="k8s_when_late"):
+        Settings(k8s_when_late="wait")
+
+
+@pytest.mark.parametrize("peak, context, reserve, headroom, need", [
+    (9 * GI, GI // 2, GI // 4, 0.1, 10 * GI + GI // 2 + GI // 4),  # 9 GiB / 0.9 = 10 GiB, + context + reserve
+    (9 * GI, GI // 2, GI // 4, 0.0, 9 * GI + GI // 2 + GI // 4),
+    (3 * GI, 0, 0, 0.25, 4 * GI),  # 3 GiB / 0.75
+])
+def test_a_claims_need(peak, context, reserve, headroom, need) -> None:
+    assert need_bytes(peak, context, reserve, headroom) == need
+
+
+def test_the_need_in_whole_gi() -> None:
+    assert [need_gi(n) for n in (1, GI - 1, GI, GI + 1, 43 * GI)] == [1, 1, 1, 2, 43]
+    assert memory_selector(43) == "device.capacity['gpu.nvidia.com'].memory.compareTo(quantity('43Gi')) >= 0"
+    assert find_gpu(REFERENCE_CARD) is CATALOG[REFERENCE_CARD]
+    # the reference card over-estimates the others: the catalog's largest context and cuBLAS workspace
+    assert CATALOG[REFERENCE_CARD].context_bytes == max(g.context_bytes for g in CATALOG.values())
+    assert CATALOG[REFERENCE_CARD].cublas_workspace_bytes == max(g.cublas_workspace_bytes for g in CATALOG.values())
+    assert CATALOG[REFERENCE_CARD].memory_bytes == max(g.memory_bytes for g in CATALOG.values())
+
+
+GPU = {"deviceClassName": "gpu.nvidia.com", "allocationMode": "ExactCount", "count": 1}
+MIG = {"deviceClassName": "mig.nvidia.com", "allocationMode": "ExactCount", "count": 1}
+NIC = {"deviceClassName": "rdma.example.com", "allocationMode": "ExactCount", "count": 1}
+
+
+def _claim(version: str, requests: list[dict]) -> dict:
+    return {"apiVersion": f"resource.k8s.io/{version}", "kind": "ResourceClaim", "spec": {"devices": {
+        "requests": requests}}}
+
+
+def test_gpu_places_by_version() -> None:
+    v1 = _claim("v1", [{"name": "a", "exactly": GPU}, {"name": "b", "exactly": NIC},
+                       {"name": "c", "firstAvailable": [{"name": "x", **MIG}, {"name": "y", **NIC}]}])
+    assert [p.path for p in gpu_places(v1, "ResourceClaim", claim_version(v1))] == [
+        "/spec/devices/requests/0/exactly", "/spec/devices/requests/2/firstAvailable/0"]
+    beta1 = _claim("v1beta1", [{"name": "a", **GPU}, {"name": "b", "firstAvailable": [{"name": "x", **GPU}]}])
+    assert [p.path for p in gpu_places(beta1, "ResourceClaim", claim_version(beta1))] == [
+        "/spec/devices/requests/0", "/spec/devices/requests/1/firstAvailable/0"]
+    # read as v1, a v1beta1 request has no ``exactly``: only its alternatives (flat in both) are found
+    assert [p.path for p in gpu_places(beta1, "ResourceClaim", "v1")] == ["/spec/devices/requests/1/firstAvailable/0"]
+    template = {"apiVersion": "resource.k8s.io/v1beta2", "spec": {"spec": {"devices": {"requests": [
+        {"name": "a", "exactly": GPU}]}}}}
+    assert [p.path for p in gpu_places(template, "ResourceClaimTemplate", claim_version(template))] == [
+        "/spec/spec/devices/requests/0/exactly"]
+    assert gpu_places({"spec": None}, "ResourceClaimTemplate", "v1") == []
+    for bad in ("resource.k8s.io/v1alpha3", "v1", "apps/v1", None):
+        with pytest.raises(SpecError) as info:
+            claim_version({"apiVersion": bad})
+        assert info.value.field == "apiVersion"
+
+
+def test_selector_ops_add_once() -> None:
+    expression = memory_selector(26)
+    claim = _claim("v1beta1", [{"name": "a", **GPU}, {"name": "b", **MIG, "selectors": [
+        {"cel": {"expression": "device.attributes['gpu.nvidia.com'].profile == '3g.40gb'"}}]}])
+    places = gpu_places(claim, "ResourceClaim", "v1beta1")
+    ops = selector_ops(places, expression)
+    assert ops == [{"op": "add", "path": "/spec/devices/requests/0/selectors", "value": [{"cel": {
+                        "expression": expression}}]},
+                   {"op": "add", "path": "/spec/devices/requests/1/selectors/-", "value": {"cel": {
+                        "expression": expression}}}]
+    sized = jsonpatch.apply_patch(claim, ops)
+    assert selector_ops(gpu_places(sized, "ResourceClaim", "v1beta1"), expression) == []  # already there
+    assert len(selector_ops(gpu_places(sized, "ResourceClaim", "v1beta1"), memory_selector(27))) == 2

@@ -6,7 +6,8 @@ for a webhook; a first estimate takes longer. So an answer is looked up per card
 service's cache); the cards without one are estimated together in one worker job, which the caller waits for
 until its deadline. A job that is not done by then goes on in the background (``batchfit_k8s_late_total``),
 and its answers are stored per card, so the scheduler's next attempt, or the next pod with the same spec,
-finds them. Identical cards of concurrent callers share one job.
+finds them. Identical cards of concurrent callers share one job. The webhook starts a pod's jobs at its
+CREATE (``start``, not waiting), so the scheduler's first call usually finds the answers.
 
 Errors are answers too: a request the estimator refuses (an unknown model, a simulation that fails, a job past
 the worker's time or memory limit) is remembered for ``FAILURE_TTL_S``, so the next call does not start the
@@ -26,6 +27,8 @@ from typing import Any
 from app import logs
 from app.cache import cache_key
 from app.k8s.cards import Card
+from app.k8s.cluster import ClusterCards
+from app.k8s.holds import Holds
 from app.routes import Refused, run_in_pool
 from app.worker import ReplyKind
 from estimator import EstimateRequest, parse_request
@@ -77,11 +80,25 @@ class Failure:
 Found = dict[str, Answer | Failure]  # by card key
 
 
+@dataclass(frozen=True)
+class Begun:
+    """What a call finds: the answers known now (by card key), the jobs to wait for the others, each card's
+    cache key (by card key), and the cards whose job it started."""
+
+    found: Found
+    waits: set[asyncio.Task[Found]]
+    keys: dict[str, str]
+    started: list[Card]
+
+
 class Estimates:
-    """The answers of one app (``app.state.k8s``): ``answers`` and ``close``."""
+    """The answers of one app (``app.state.k8s``): ``answers``, ``start`` and ``close``; the cluster's cards
+    (``cluster``) and the pods held on them (``holds``)."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
+        self.cluster = ClusterCards()  # the cards the extender has seen, for the webhook's early start
+        self.holds = Holds(app.state.metrics)
         self._memory: OrderedDict[str, tuple[float, dict[str, Any]]] = OrderedDict()
         self._pending: dict[str, asyncio.Task[Found]] = {}
         self._tasks: set[asyncio.Task[Found]] = set()
@@ -90,25 +107,13 @@ class Estimates:
                       verb: str) -> tuple[Found, bool]:
         """Per ``Card.key``, the answer (or failure) of each card that has one by ``deadline`` (the event loop's
         clock); and whether some card had none by then (its job goes on in the background)."""
-        unique = {card.key: card for card in cards}
-        keys = {card.key: card_key(request, card) for card in unique.values()}
-        found: Found = {}
-        missing: list[tuple[Card, str]] = []
-        for name, card in unique.items():
-            hit = await self._lookup(keys[name], card)
-            if hit is not None:
-                found[name] = hit
-            else:
-                missing.append((card, keys[name]))
-        if not missing:
+        begun = await self._begin(request, cards)
+        found, waits = begun.found, begun.waits
+        if not waits:
             return found, False
-        waits = {self._pending[key] for _, key in missing if key in self._pending}
-        new = [(card, key) for card, key in missing if key not in self._pending]
-        if new:
-            waits.add(self._start(request, new))
         loop = asyncio.get_running_loop()
         done, _ = await asyncio.wait(waits, timeout=max(deadline - loop.time(), 0.0))
-        by_key = {key: name for name, key in keys.items()}
+        by_key = {key: name for name, key in begun.keys.items()}
         for task in done:
             if task.cancelled():  # the app is stopping
                 continue
@@ -119,6 +124,29 @@ class Estimates:
         if late:
             self.app.state.metrics.k8s_late.labels(verb).inc()
         return found, late
+
+    async def start(self, request: EstimateRequest, cards: Iterable[Card]) -> list[Card]:
+        """Start the estimate of the cards that have no answer and none running, without waiting for it
+        (the webhook, for the scheduler's calls to come); the cards it started."""
+        return (await self._begin(request, cards)).started
+
+    async def _begin(self, request: EstimateRequest, cards: Iterable[Card]) -> Begun:
+        """The answers known now, and a job started for the cards that have none and none running."""
+        unique = {card.key: card for card in cards}
+        keys = {name: card_key(request, card) for name, card in unique.items()}
+        found: Found = {}
+        missing: list[tuple[Card, str]] = []
+        for name, card in unique.items():
+            hit = await self._lookup(keys[name], card)
+            if hit is not None:
+                found[name] = hit
+            else:
+                missing.append((card, keys[name]))
+        waits = {self._pending[key] for _, key in missing if key in self._pending}
+        new = [(card, key) for card, key in missing if key not in self._pending]
+        if new:
+            waits.add(self._start(request, new))
+        return Begun(found, waits, keys, [card for card, _ in new])
 
     async def close(self) -> None:
         """Cancel the background jobs (the app is stopping)."""

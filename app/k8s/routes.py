@@ -1,4 +1,5 @@
-"""The routes: POST /k8s/filter, /k8s/prioritize (kube-scheduler extender) and /k8s/mutate (admission webhook).
+"""The routes: POST /k8s/filter, /k8s/prioritize (kube-scheduler extender) and /k8s/mutate (admission webhook,
+for pods and DRA claims).
 
 Their bodies are Kubernetes objects, parsed here rather than by a schema (a Pod or a Node has hundreds of
 fields this service never reads). Each call answers within ``BATCHFIT_K8S_DEADLINE_S`` of its arrival
@@ -22,7 +23,8 @@ from app import logs
 from app.errors import problem_responses
 from app.k8s.extender import filter_nodes, passing_all, prioritize_nodes, scoring_none
 from app.k8s.pods import listing, mapping
-from app.k8s.webhook import mutate, review_request, unchanged_review
+from app.k8s.review import review_request, unchanged_review
+from app.k8s.webhook import mutate
 from app.shape import check_shape
 from estimator.errors import SpecError
 
@@ -99,8 +101,9 @@ async def _extender(request: Request, verb: str, answer: Callable[..., Awaitable
     return await _json(result)
 
 
-@router.post("/mutate", responses=ERRORS, summary="mutating admission webhook: the pod's batch size in its env",
-             openapi_extra=_object_body("AdmissionReview (admission.k8s.io/v1) of a Pod CREATE"))
+@router.post("/mutate", responses=ERRORS, summary="mutating admission webhook: the pod's batch size in its env, "
+             "a DRA claim's memory selector", openapi_extra=_object_body(
+                 "AdmissionReview (admission.k8s.io/v1) of a Pod, ResourceClaim or ResourceClaimTemplate CREATE"))
 async def k8s_mutate(request: Request) -> Response:
     review = await _body(request)
     uid = review_request(review)["uid"]

@@ -17,46 +17,41 @@ The change is a JSONPatch (RFC 6902, base64 in ``patch``) that sets in the env o
 and the annotation ``batchfit.io/estimate``, a one-line summary. Everything else (the card unknown, the
 estimate late or failing, a bad annotation) allows the pod unchanged with a ``warnings`` entry, which kubectl
 shows to whoever created the pod.
+
+Every pod that opted in also has its estimate started, without waiting, on the cluster's cards
+(``BATCHFIT_K8S_CARDS`` and those the extender has seen), so that the scheduler's filter finds the answers.
+A ``resource.k8s.io`` ResourceClaim or ResourceClaimTemplate is answered by app/k8s/claims.py.
 """
 
 from __future__ import annotations
 
-import base64
 import dataclasses
-import json
 import math
 from typing import Any
 
+from app import logs
 from app.k8s.answers import Answer, Estimates
 from app.k8s.cards import Card, named_card
-from app.k8s.pods import ESTIMATE, TrainingPod, listing, mapping, opted_in, pinned_products, training_pod
+from app.k8s.claims import CLAIM_GROUP, CLAIM_KINDS, size_claim
+from app.k8s.pods import TrainingPod, listing, mapping, opted_in, pinned_products, training_pod
+from app.k8s.review import answer_review, estimate_op, patched, review_request, unchanged
 from estimator import __version__
 from estimator.errors import SpecError
 from estimator.gpus import MIG_RESOURCE_PREFIX, mig_cards, mig_gpu
 
-REVIEW_VERSION = "admission.k8s.io/v1"
 ENV_BATCH, ENV_ACCUM, ENV_MAX = "BATCHFIT_BATCH_SIZE", "BATCHFIT_GRAD_ACCUM", "BATCHFIT_MAX_BATCH_SIZE"
-WARNING_CHARS = 240  # the API server may truncate warnings past 256 characters
-
-
-def review_request(review: Any) -> dict[str, Any]:
-    """``review.request``; ``SpecError`` when the body is not an AdmissionReview of admission.k8s.io/v1."""
-    if not isinstance(review, dict):
-        raise SpecError("(body)", type(review).__name__, "an AdmissionReview object")
-    if review.get("apiVersion") != REVIEW_VERSION or review.get("kind") != "AdmissionReview":
-        raise SpecError("apiVersion", review.get("apiVersion"), f"'{REVIEW_VERSION}' with kind 'AdmissionReview' "
-                        "(set admissionReviewVersions: [v1] in the MutatingWebhookConfiguration)")
-    request = review.get("request")
-    if not isinstance(request, dict) or not isinstance(request.get("uid"), str) or not request["uid"]:
-        raise SpecError("request.uid", mapping(request).get("uid"), "the request's uid (a non-empty string)")
-    return request
 
 
 async def mutate(review: dict[str, Any], estimates: Estimates, deadline: float, deny_unfit: bool) -> dict[str, Any]:
-    """The ``AdmissionReview`` answering ``review`` (checked by ``review_request``)."""
+    """The ``AdmissionReview`` answering ``review`` (checked by ``review_request``): a Pod's, or a device
+    claim's (``resource.k8s.io`` ResourceClaim or ResourceClaimTemplate: app/k8s/claims.py)."""
     request = review_request(review)
-    response = await _respond(request, estimates, deadline, deny_unfit)
-    return {"apiVersion": REVIEW_VERSION, "kind": "AdmissionReview", "response": {"uid": request["uid"], **response}}
+    kind = mapping(request.get("kind"))
+    if kind.get("group") == CLAIM_GROUP and kind.get("kind") in CLAIM_KINDS and request.get("operation") == "CREATE":
+        response = await size_claim(request, estimates, deadline)
+    else:
+        response = await _respond(request, estimates, deadline, deny_unfit)
+    return answer_review(request["uid"], response)
 
 
 async def _respond(request: dict[str, Any], estimates: Estimates, deadline: float,
@@ -71,29 +66,42 @@ async def _respond(request: dict[str, Any], estimates: Estimates, deadline: floa
         training = training_pod(pod)
     except SpecError as exc:
         calls.labels("mutate", "error").inc()
-        return _unchanged(f"not changed: {exc}")
+        return unchanged(f"not changed: {exc}")
     if not training.gpu_containers:
         calls.labels("mutate", "error").inc()
-        return _unchanged("not changed: no container requests nvidia.com/gpu or a MIG resource")
+        return unchanged("not changed: no container requests nvidia.com/gpu or a MIG resource")
     cards, unknown = _pinned_cards(pod, training)
+    await _start_early(estimates, training, [] if unknown else cards)
     if unknown or not cards:
         calls.labels("mutate", "error").inc()
         what = "; ".join(unknown) if unknown else (
             "the pod is not pinned to a GPU type (nodeSelector or required node affinity on "
             "nvidia.com/gpu.product, or the batchfit.io/gpu annotation)")
-        return _unchanged(f"not changed: {what}")
+        return unchanged(f"not changed: {what}")
     found, late = await estimates.answers(training.request, cards, deadline, "mutate")
     answers = [dataclasses.replace(a, card=card) if isinstance(a, Answer) else a  # named as the pod names it
                for a, card in ((found.get(card.key), card) for card in cards)]
     if late and not all(isinstance(a, Answer) for a in answers):
         calls.labels("mutate", "late").inc()
-        return _unchanged("not changed: the estimate is still running; it is kept for the next pod with this spec")
+        return unchanged("not changed: the estimate is still running; it is kept for the next pod with this spec")
     failures = [a for a in answers if not isinstance(a, Answer)]
     if failures:
         calls.labels("mutate", "error").inc()
-        return _unchanged(f"not changed: {failures[0].message if failures[0] is not None else 'no answer'}")
+        return unchanged(f"not changed: {failures[0].message if failures[0] is not None else 'no answer'}")
     calls.labels("mutate", "answered").inc()
     return _decide([a for a in answers if isinstance(a, Answer)], training, pod, deny_unfit)
+
+
+async def _start_early(estimates: Estimates, training: TrainingPod, pinned: list[Card]) -> None:
+    """Start the pod's estimate on every card of the cluster (``BATCHFIT_K8S_CARDS`` and the cards the
+    extender has seen), not waiting for it, so the scheduler's filter finds the answers; the pinned cards'
+    job first, as it is the one this call waits for."""
+    if pinned:
+        await estimates.start(training.request, pinned)
+    configured = estimates.app.state.settings.card_names()
+    started = await estimates.start(training.request, estimates.cluster.cards(configured, training.mig_profile))
+    if started:
+        logs.log("k8s-early-start", pod=training.name, cards=[card.label for card in started])
 
 
 def _pinned_cards(pod: dict[str, Any], training: TrainingPod) -> tuple[list[Card], list[str]]:
@@ -204,12 +212,7 @@ def gib_usable(answer: Answer) -> str:
 
 def _patched(pod: dict[str, Any], envs: list[tuple[int, dict[str, str]]], summary: str,
              warnings: list[str]) -> dict[str, Any]:
-    ops = patch_ops(pod, envs, summary)
-    response: dict[str, Any] = {"allowed": True, "patchType": "JSONPatch",
-                                "patch": base64.b64encode(json.dumps(ops).encode()).decode()}
-    if warnings:
-        response["warnings"] = [w[:WARNING_CHARS] for w in warnings]
-    return response
+    return patched(patch_ops(pod, envs, summary), warnings)
 
 
 def patch_ops(pod: dict[str, Any], envs: list[tuple[int, dict[str, str]]], summary: str) -> list[dict[str, Any]]:
@@ -230,20 +233,5 @@ def patch_ops(pod: dict[str, Any], envs: list[tuple[int, dict[str, str]]], summa
                 ops.append({"op": "replace", "path": f"{path}/{index[name]}", "value": entry})
             else:
                 ops.append({"op": "add", "path": f"{path}/-", "value": entry})
-    notes = mapping(pod.get("metadata")).get("annotations")
-    key = ESTIMATE.replace("~", "~0").replace("/", "~1")
-    if isinstance(notes, dict):
-        ops.append({"op": "replace" if ESTIMATE in notes else "add", "path": f"/metadata/annotations/{key}",
-                    "value": summary})
-    else:
-        ops.append({"op": "add", "path": "/metadata/annotations", "value": {ESTIMATE: summary}})
+    ops.append(estimate_op(pod, summary))
     return ops
-
-
-def unchanged_review(uid: str, warning: str) -> dict[str, Any]:
-    """An AdmissionReview that allows the pod unchanged with ``warning`` (a defect's fallback)."""
-    return {"apiVersion": REVIEW_VERSION, "kind": "AdmissionReview", "response": {"uid": uid, **_unchanged(warning)}}
-
-
-def _unchanged(warning: str) -> dict[str, Any]:
-    return {"allowed": True, "warnings": [f"batchfit: {warning}"[:WARNING_CHARS]]}
