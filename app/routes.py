@@ -14,7 +14,7 @@ from fastapi import APIRouter, Body, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 
-from app import logs
+from app import examples, logs
 from app.cache import cache_key
 from app.errors import HTTP_PROBLEMS, error_problem, problem, problem_responses
 from app.pool import Heard
@@ -47,23 +47,15 @@ class ShapeCheckedRoute(APIRoute):
 router = APIRouter(route_class=ShapeCheckedRoute)
 T = TypeVar("T")
 
-EXAMPLE = {
-    "model": {"source": "torchvision", "name": "resnet50", "kwargs": {"num_classes": 10}},
-    "input": {"image_size": [3, 224, 224]},
-    "training": {"precision": "amp-bf16", "optimizer": {"name": "adamw", "foreach": None, "fused": None},
-                 "gradient_checkpointing": False, "grad_accumulation_steps": 1},
-    "gpus": ["A100-80GB", "H100-80GB"],
-    "batch_size": None,
-}
 ERRORS = problem_responses(400, 401, 413, 415, 422, 503)
-Job = Annotated[EstimateRequest, Body(openapi_examples={"resnet50": {"summary": "ResNet-50 on two cards",
-                                                                      "value": EXAMPLE}})]
+Job = Annotated[EstimateRequest, Body(openapi_examples=examples.REQUESTS)]
+ANSWER: dict[int | str, dict[str, Any]] = {200: {"content": {"application/json": {"examples": examples.RESPONSES}}}}
 SNAPSHOT: dict[int | str, dict[str, Any]] = {200: {"content": {"application/octet-stream": {}},
                   "description": "the pickle of a torch.cuda.memory._snapshot() dict (open it at "
                                  "https://pytorch.org/memory_viz), as an attachment named step.pickle"}}
 
 
-@router.post("/estimate", response_model=EstimateResponse, responses=ERRORS,
+@router.post("/estimate", response_model=EstimateResponse, responses={**ANSWER, **ERRORS},
              summary="Max batch and memory per GPU for a training job")
 async def post_estimate(request: Request, body: Job) -> Any:
     # FastAPI parsed the body against the schema, once; check_request adds the rules it cannot express
