@@ -16,10 +16,9 @@ from typing import Any
 RESNET50 = {
     "model": {"source": "torchvision", "name": "resnet50", "kwargs": {"num_classes": 10}},
     "input": {"image_size": [3, 224, 224]},
-    "training": {"precision": "amp-bf16", "optimizer": {"name": "adamw", "foreach": None, "fused": None},
-                 "gradient_checkpointing": False, "grad_accumulation_steps": 1},
+    "training": {"precision": "amp-bf16", "optimizer": {"name": "adamw"}, "gradient_checkpointing": False,
+                 "grad_accumulation_steps": 1},
     "gpus": ["A100-80GB", "H100-80GB"],
-    "batch_size": None,
 }
 PRESET = {
     "model": {"source": "transformers", "preset": "llama-3-8b"},
@@ -438,3 +437,17 @@ RESPONSES: dict[str, dict[str, Any]] = {
                "value": PRESET_ANSWER},
 }
 ANSWERED = {"fsdp-8": FSDP, "preset": PRESET}  # the request each answer answers
+
+
+def add_examples(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` (FastAPI's OpenAPI document) with the examples: the requests on every route whose body is an
+    ``EstimateRequest``, the answers on ``POST /estimate``'s 200. Added after FastAPI builds the document, which
+    drops every null (an answer's ``"max_batch_size": null`` is what it says)."""
+    request = {"$ref": "#/components/schemas/EstimateRequest"}
+    for path in schema.get("paths", {}).values():
+        body = path.get("post", {}).get("requestBody", {}).get("content", {}).get("application/json")
+        if body is not None and body.get("schema") == request:
+            body["examples"] = REQUESTS
+    ok = schema["paths"]["/estimate"]["post"]["responses"]["200"]["content"]["application/json"]
+    ok["examples"] = RESPONSES
+    return schema

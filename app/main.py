@@ -35,6 +35,7 @@ from app.errors import (
     problem,
     unsupported_media_type,
 )
+from app.examples import add_examples
 from app.k8s.answers import Estimates
 from app.k8s.routes import router as k8s_router
 from app.metrics import Metrics
@@ -128,9 +129,22 @@ def create_app(settings: Settings | None = None, *, start_workers: bool = True) 
 
     app.include_router(router)
     app.include_router(k8s_router)
+    _with_examples(app)
     add_docs(app)  # /docs and /redoc with their assets from this service, not a CDN
     add_page(app)
     return app
+
+
+def _with_examples(app: FastAPI) -> None:
+    """``/openapi.json`` with app/examples.py's requests and answers (FastAPI's "extending OpenAPI" recipe)."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        fresh = app.openapi_schema is None
+        schema = build()  # FastAPI's, kept on the app after the first call
+        return add_examples(schema) if fresh else schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _open(route: str, settings: Settings) -> bool:

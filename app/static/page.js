@@ -104,6 +104,7 @@ function showSource() {
   const source = $("source").value;
   $("preset-row").hidden = source !== "transformers";
   $("name-row").hidden = source === "transformers";
+  $("seq-row").hidden = source !== "transformers";  // the vision sources take no sequence length
   const listing = MODELS[source] || {};
   const names = source === "timm" ? listing.names || [] : Object.values(listing).flat();
   $("names").replaceChildren(...(source === "transformers" ? [] : names).map((n) => el("option", {value: n})));
@@ -148,7 +149,7 @@ function request() {
   const source = $("source").value;
   const model = source === "transformers" ? {source, preset: $("preset").value} : {source, name: $("name").value.trim()};
   const input = {};
-  if (integer("seq_len") !== undefined) input.seq_len = integer("seq_len");
+  if (!$("seq-row").hidden && integer("seq_len") !== undefined) input.seq_len = integer("seq_len");
   if (integer("image_size") !== undefined) input.image_size = [3, integer("image_size"), integer("image_size")];
   const mode = $("checkpointing").value;
   const body = {
@@ -326,6 +327,7 @@ async function submit(event) {
   clearErrors();
   const button = $("submit"), status = $("status");
   button.disabled = true;
+  $("answer").hidden = true;  // an answer to another request, no longer the form's
   const body = request();
   try {
     status.textContent = "Estimating: a model's first estimate simulates its step, a minute or more…";
