@@ -6,6 +6,7 @@ static files are package data. (tests/test_page_browser.py renders them in a rea
 
 from __future__ import annotations
 
+import asyncio
 import fnmatch
 import re
 import tomllib
@@ -115,6 +116,27 @@ def test_the_docs_and_their_files_follow_the_auth_rules() -> None:
             assert c.get(path).status_code == 200, path
         assert c.get("/static/page/nothing.js").status_code == 404
         assert c.get("/gpus").status_code == 401  # what the page shows still needs the key
+
+
+@pytest.mark.parametrize("path", ["/static/../gpus", "/static/page/../../gpus", "/static/docs/../../openapi.json",
+                                  "/static/docs/x/../../../docs"])
+def test_the_open_static_prefix_reaches_no_keyed_route(path) -> None:
+    """The path as a client may send it, dot segments and all (an HTTP client would normalize it): the open
+    /static/ prefix opens no other route."""
+    app = create_app(Settings(workers=1, cache_path="", api_keys="s3cret"), start_workers=False)
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET", "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "headers": [(b"host", b"testserver")], "server": ("testserver", 80), "client": ("127.0.0.1", 1)}
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    asyncio.run(app(scope, receive, send))
+    assert sent[0]["status"] in (401, 404), (path, sent[0]["status"])
 
 
 def test_a_path_prefix_reaches_the_pages_urls() -> None:
