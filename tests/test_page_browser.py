@@ -30,6 +30,7 @@ from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.select import Select
 from selenium.webdriver.support.ui import WebDriverWait
 
+from app import examples
 from app.main import create_app
 from app.ready import wait_ready
 from app.settings import Settings
@@ -277,4 +278,12 @@ def test_the_api_docs_render_from_this_origin_alone(browser, service, path, rend
     assert f"{service.url}/openapi.json" in loaded
     # every request went to this service; anything else (ReDoc's logo from cdn.redoc.ly) was blocked unsent
     assert {name for name in loaded if not name.startswith(service.url + "/")} <= blocked, (loaded, blocked)
+    if path == "/docs":  # POST /estimate opened: its request examples, by name, in Swagger UI's picker
+        browser.find_element(By.CSS_SELECTOR, "#operations-default-post_estimate_estimate_post .opblock-summary"
+                             ).click()
+        picker = WebDriverWait(browser, 30).until(
+            lambda d: d.find_elements(By.CSS_SELECTOR, "#operations-default-post_estimate_estimate_post "
+                                                       ".opblock-body select"))
+        names = {o.get_attribute("value") for p in picker for o in p.find_elements(By.TAG_NAME, "option")}
+        assert set(examples.REQUESTS) <= names and set(examples.RESPONSES) <= names, names
     _screenshot(browser, f"docs{path.replace('/', '-')}.png")

@@ -112,6 +112,7 @@ function showSource() {
 
 async function loadLists() {
   clearErrors();
+  $("status").textContent = "Loading the models, the cards and the schema…";
   try {
     const [gpus, models, schema] = await Promise.all([call("gpus"), call("models"), call("openapi.json")]);
     MODELS = models;
