@@ -24,6 +24,7 @@ from starlette.responses import Response
 from app import logs
 from app.auth import check_key
 from app.cache import SingleFlight, open_cache, source_hash
+from app.docs import add_docs
 from app.errors import (
     HTTP_PROBLEMS,
     error_problem,
@@ -34,20 +35,23 @@ from app.errors import (
     problem,
     unsupported_media_type,
 )
+from app.examples import add_examples
 from app.k8s.answers import Estimates
 from app.k8s.routes import router as k8s_router
 from app.metrics import Metrics
+from app.page import add_page
 from app.pool import Pool
 from app.routes import router
 from app.settings import Settings, get_settings
 from estimator import __version__
 from estimator.errors import BatchfitError, Unauthorized
 
-OPEN = {"/healthz", "/readyz"}  # without a key even when keys are set
+OPEN = {"/healthz", "/readyz", "/"}  # without a key even when keys are set (the page: app/page.py says why)
+STATIC = "/static"  # the page's and the docs' files (app/page.py, app/docs.py): public, open like the page
 K8S = {"/k8s/filter", "/k8s/prioritize", "/k8s/mutate"}  # without a key with BATCHFIT_K8S_WITHOUT_KEY
 JSON_BODY = {"/estimate", "/timeline", "/snapshot", *K8S}  # the routes that take a body: application/json, else 415
 ROUTES = {"/estimate", "/timeline", "/snapshot", "/gpus", "/models", "/healthz", "/readyz", "/metrics", "/docs",
-          "/openapi.json", *K8S}
+          "/redoc", "/openapi.json", "/", STATIC, *K8S}
 
 
 def __getattr__(name: str) -> Any:
@@ -77,7 +81,7 @@ def create_app(settings: Settings | None = None, *, start_workers: bool = True) 
         if app.state.cache:
             app.state.cache.close()
 
-    app = FastAPI(title="batchfit", version=__version__, lifespan=lifespan,
+    app = FastAPI(title="batchfit", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="GPU memory of a PyTorch training step and the largest batch that fits, "
                               "predicted without a GPU.")
     app.state.settings = settings
@@ -97,7 +101,7 @@ def create_app(settings: Settings | None = None, *, start_workers: bool = True) 
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
         route = request.url.path
         t0 = request.state.started = time.perf_counter()
-        if route not in OPEN and not (route in K8S and settings.k8s_without_key):  # /docs too: open without keys
+        if not _open(route, settings):
             try:
                 check_key(request, settings)
             except Unauthorized as exc:
@@ -125,7 +129,34 @@ def create_app(settings: Settings | None = None, *, start_workers: bool = True) 
 
     app.include_router(router)
     app.include_router(k8s_router)
+    _with_examples(app)
+    add_docs(app)  # /docs and /redoc with their assets from this service, not a CDN
+    add_page(app)
     return app
+
+
+def _with_examples(app: FastAPI) -> None:
+    """``/openapi.json`` with app/examples.py's requests and answers (FastAPI's "extending OpenAPI" recipe)."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        fresh = app.openapi_schema is None
+        schema = build()  # FastAPI's, kept on the app after the first call
+        return add_examples(schema) if fresh else schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _open(route: str, settings: Settings) -> bool:
+    """Whether ``route`` answers without a key when keys are set (without keys every route does, /docs too)."""
+    return route in OPEN or route.startswith(STATIC + "/") or (route in K8S and settings.k8s_without_key)
+
+
+def _label(route: str) -> str:
+    """``route`` as a metrics label: one of ``ROUTES`` (every file under /static counts as ``/static``)."""
+    if route.startswith(STATIC + "/"):
+        return STATIC
+    return route if route in ROUTES else "(other)"  # bounded label values
 
 
 def _has_body(request: Request) -> bool:
@@ -179,7 +210,7 @@ def _finish(app: FastAPI, response, route: str, rid: str, t0: float):
 
 def _count(app: FastAPI, status: int, route: str, rid: str, t0: float) -> None:
     dt = time.perf_counter() - t0
-    known = route if route in ROUTES else "(other)"  # bounded label values
+    known = _label(route)
     app.state.metrics.requests.labels(known, str(status)).inc()
     app.state.metrics.latency.labels(known).observe(dt)
     logs.log("request", request_id=rid, route=route, status=status, seconds=round(dt, 4))

@@ -8,9 +8,9 @@ import binascii
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from functools import lru_cache
-from typing import Annotated, Any, TypeVar
+from typing import Any, TypeVar
 
-from fastapi import APIRouter, Body, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 
@@ -47,17 +47,7 @@ class ShapeCheckedRoute(APIRoute):
 router = APIRouter(route_class=ShapeCheckedRoute)
 T = TypeVar("T")
 
-EXAMPLE = {
-    "model": {"source": "torchvision", "name": "resnet50", "kwargs": {"num_classes": 10}},
-    "input": {"image_size": [3, 224, 224]},
-    "training": {"precision": "amp-bf16", "optimizer": {"name": "adamw", "foreach": None, "fused": None},
-                 "gradient_checkpointing": False, "grad_accumulation_steps": 1},
-    "gpus": ["A100-80GB", "H100-80GB"],
-    "batch_size": None,
-}
 ERRORS = problem_responses(400, 401, 413, 415, 422, 503)
-Job = Annotated[EstimateRequest, Body(openapi_examples={"resnet50": {"summary": "ResNet-50 on two cards",
-                                                                      "value": EXAMPLE}})]
 SNAPSHOT: dict[int | str, dict[str, Any]] = {200: {"content": {"application/octet-stream": {}},
                   "description": "the pickle of a torch.cuda.memory._snapshot() dict (open it at "
                                  "https://pytorch.org/memory_viz), as an attachment named step.pickle"}}
@@ -65,7 +55,7 @@ SNAPSHOT: dict[int | str, dict[str, Any]] = {200: {"content": {"application/octe
 
 @router.post("/estimate", response_model=EstimateResponse, responses=ERRORS,
              summary="Max batch and memory per GPU for a training job")
-async def post_estimate(request: Request, body: Job) -> Any:
+async def post_estimate(request: Request, body: EstimateRequest) -> Any:
     # FastAPI parsed the body against the schema, once; check_request adds the rules it cannot express
     # (no local code over HTTP, a transformers model names a preset or a config). BatchfitErrors raised
     # here are rendered by app.errors.on_batchfit_error. The worker gets the parsed request itself.
@@ -83,7 +73,7 @@ async def post_estimate(request: Request, body: Job) -> Any:
 
 @router.post("/timeline", response_model=Timeline, responses=ERRORS,
              summary="The memory timeline of the first card's step (at batch_size, else the recommended batch)")
-async def post_timeline(request: Request, body: Job) -> Any:
+async def post_timeline(request: Request, body: EstimateRequest) -> Any:
     _check_view(body)
     answered = await _pooled(request, body, JobKind.TIMELINE)
     if isinstance(answered, Response):
@@ -94,7 +84,7 @@ async def post_timeline(request: Request, body: Job) -> Any:
 
 @router.post("/snapshot", response_class=Response, responses={**SNAPSHOT, **ERRORS},
              summary="The first card's step as a CUDA memory snapshot, for https://pytorch.org/memory_viz")
-async def post_snapshot(request: Request, body: Job) -> Any:
+async def post_snapshot(request: Request, body: EstimateRequest) -> Any:
     _check_view(body)
     answered = await _pooled(request, body, JobKind.SNAPSHOT)
     if isinstance(answered, Response):

@@ -34,10 +34,10 @@ PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
 # distributions that belong to an extra and must stay out of the core (directly and transitively)
 EXTRA_ONLY = {"fastapi", "starlette", "uvicorn", "pydantic-settings", "redis", "prometheus-client", "matplotlib",
-              "nvidia-ml-py", "pynvml"}
+              "nvidia-ml-py", "pynvml", "fastapi-offline"}
 # their modules, as the library must not import them
 EXTRA_MODULES = ("fastapi", "starlette", "uvicorn", "pydantic_settings", "redis", "prometheus_client", "matplotlib",
-                 "pynvml")
+                 "pynvml", "fastapi_offline")
 
 
 # --- pyproject.toml -------------------------------------------------------------------------------------------
@@ -91,7 +91,7 @@ def test_each_extra_holds_what_its_part_imports() -> None:
     extras = PROJECT["optional-dependencies"]
     assert {"service", "plot", "gpu", "test"} <= set(extras)
     assert _names(extras["service"]) >= {"fastapi", "uvicorn", "pydantic-settings", "redis", "prometheus-client",
-                                          "httpx"}
+                                          "httpx", "fastapi-offline"}
     assert _names(extras["plot"]) >= {"matplotlib"}
     assert _names(extras["gpu"]) >= {"nvidia-ml-py"}
     # the tests cover the service, the plot and validation: the test extra brings every other extra
@@ -228,7 +228,7 @@ print(json.dumps({"peak": report.device_peak_bytes, "gpus": main(["gpus"]), "err
 
 
 def test_serve_without_the_service_extra_says_which_extra() -> None:
-    for missing in ("uvicorn", "fastapi", "pydantic_settings", "prometheus_client"):
+    for missing in ("uvicorn", "fastapi", "pydantic_settings", "prometheus_client", "fastapi_offline"):
         proc = _python("from estimator.cli.main import main\nsys.exit(main(['serve']))", blocked=(missing,))
         assert proc.returncode == 3, (missing, proc.stderr[-2000:])
         assert "error: batchfit serve needs the service extra: pip install 'batchfit[service]'" in proc.stderr

@@ -53,7 +53,8 @@ def serve(host: str, port: int, certfile: str | None, keyfile: str | None) -> in
     """Run the service (``app.main:create_app``) until it stops."""
     tls_files(certfile, keyfile)  # before the imports: a bad flag fails fast
     # what the service imports that the core does not install: the service extra
-    service_modules = {"uvicorn", "fastapi", "starlette", "pydantic_settings", "prometheus_client", "httpx", "redis"}
+    service_modules = {"uvicorn", "fastapi", "starlette", "pydantic_settings", "prometheus_client", "httpx", "redis",
+                       "fastapi_offline"}
     try:
         import uvicorn
 

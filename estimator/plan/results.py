@@ -96,11 +96,14 @@ class GPUResult:
     step_seconds: Annotated[float | None, Field(description="one optimizer step at the recommended batch")] = None
     epoch_seconds: Annotated[float | None, Field(description="one epoch of dataset_size at the recommended "
                                                  "batch")] = None
-    meets_epoch_limit: bool | None = None
+    meets_epoch_limit: Annotated[bool | None, Field(description="epoch_seconds <= planner.max_epoch_seconds at "
+                                                    "the recommended batch; null unless both are known")] = None
     max_tokens_per_batch: Annotated[int | None, Field(description="text models: max_batch_size x seq_len")] = None
     max_seq_len: Annotated[int | None, Field(description="text models, when planner.max_seq_len: the largest "
                                              "seq_len that fits at batch_size (or the smallest batch)")] = None
-    accumulation: AccumulationPlan | None = None
+    accumulation: Annotated[AccumulationPlan | None, Field(description="with planner.target_global_batch: the "
+                                                           "fewest accumulation steps that reach it at a micro-batch "
+                                                           "that fits")] = None
     learning_rate: LearningRate | None = None
     world_size: Annotated[int, Field(description="ranks of the data-parallel step (training.distributed); the "
                                      "batch sizes above are each rank's micro-batch")] = 1
@@ -130,16 +133,22 @@ class Provenance:
 
 @dataclass(frozen=True, kw_only=True)
 class EstimateResponse:
-    results: list[GPUResult]
+    results: Annotated[list[GPUResult], Field(description="one per card of the request's gpus (the whole catalog "
+                                              "without), in its order")]
     breakdown: Annotated[Breakdown, Field(description="bytes live at the allocated peak, by category")]
     per_sample_bytes: Annotated[int, Field(description="allocated peak growth per sample, first card (line "
                                            "through the peaks at the smallest batch + 1 and at its max)")]
     fixed_bytes: Annotated[int, Field(description="that line's value at batch 0")]
-    parameter_count: int = 0
+    parameter_count: Annotated[int, Field(description="the model's parameters, tied weights once "
+                                          "(sum of numel over model.parameters())")] = 0
     flops_per_sample: Annotated[int, Field(description="forward + backward FLOPs per sample "
                                            "(torch.utils.flop_counter)")] = 0
-    assumptions: list[str] = field(default_factory=list)
-    warnings: list[Note] = field(default_factory=list)
+    assumptions: Annotated[list[str], Field(description="what the estimate took for what the request left out "
+                                            "or the simulation cannot know (defaults, kernels, CUDA context, "
+                                            "margins), for people")] = field(default_factory=list)
+    warnings: Annotated[list[Note], Field(description="what limits the answer (a card that does not fit, a step "
+                                          "simulated in full, a part not modelled): a code for programs, a message "
+                                          "for people")] = field(default_factory=list)
     provenance: Provenance
 
 

@@ -182,13 +182,19 @@ class PlannerSpec(BaseModel):
 
 class EstimateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True, allow_inf_nan=False)
-    model: ModelSpec
-    input: InputSpec = Field(default_factory=InputSpec)
-    training: TrainingSpec = Field(default_factory=TrainingSpec)
+    model: ModelSpec = Field(description="the model to train, by its source: 'transformers' (a preset or an inline "
+                             "config.json), 'torchvision' or 'timm' (a registry name); GET /models lists the names")
+    input: InputSpec = Field(default_factory=InputSpec, description="one sample's shape: seq_len for text models, "
+                             "image_size (and num_frames, num_objects) for vision models; a field left out is the "
+                             "model's default, named in the answer's assumptions")
+    training: TrainingSpec = Field(default_factory=TrainingSpec, description="how the step trains: precision, "
+                                   "optimizer, gradient checkpointing, accumulation, data-parallel strategy")
     gpus: list[GPUEntry] | None = Field(
         None, min_length=1, max_length=MAX_CARDS, description="catalog names or custom cards; null: the whole catalog")
     batch_size: int | None = Field(None, ge=1, le=MAX_BATCH, description="also report memory at exactly this batch")
-    planner: PlannerSpec = Field(default_factory=PlannerSpec)
+    planner: PlannerSpec = Field(default_factory=PlannerSpec, description="how the answer is searched and what "
+                                 "it adds: headroom and alignment of the recommendation, confirmations, the memory "
+                                 "curve, accumulation, learning-rate and epoch-time advice, suggestions")
     validate_step: bool = Field(False, alias="validate", description="on a GPU node: also run one real CUDA step "
                                 "at the first card's max batch and report it measured (503 without a GPU)")
 
