@@ -76,7 +76,8 @@ def batch_like(example: Any, size: int | None = None) -> BatchFactory:
     """A batch factory for batches shaped like ``example`` (one batch as the loader yields it, of ``size``
     samples: by default the first tensor's first dimension): each tensor whose first dimension is ``size``
     gets ``b`` rows, the example's own again (``index_select``: a real run trains on real values), every other
-    value stays as it is; tensors go to the device.
+    value stays as it is; tensors go to the device. A tensor the example holds twice (``labels`` that are the
+    ``input_ids`` themselves) is one tensor in each batch too: the memory differs.
 
     >>> batch_like({"x": torch.zeros(2, 3), "n": 7})(5, torch.device("cpu"))["x"].shape
     torch.Size([5, 3])
@@ -92,11 +93,12 @@ def batch_like(example: Any, size: int | None = None) -> BatchFactory:
 
     def make(b: int, device: torch.device) -> Any:
         rows = torch.arange(b) % n  # (b,): the example's rows, again and again
+        made: dict[int, torch.Tensor] = {}
 
         def scaled(t: torch.Tensor) -> torch.Tensor:
-            if t.dim() and t.shape[0] == n:
-                t = t.index_select(0, rows)
-            return t.to(device)
+            if id(t) not in made:
+                made[id(t)] = (t.index_select(0, rows) if t.dim() and t.shape[0] == n else t).to(device)
+            return made[id(t)]
 
         return tree_map_only(torch.Tensor, scaled, example)
 
