@@ -31,8 +31,8 @@ _accelerate = require("accelerate", "estimator.integrations.accelerate")
 import torch  # noqa: E402
 from accelerate.state import AcceleratorState  # noqa: E402
 from accelerate.utils import DistributedType, convert_to_fp32  # noqa: E402
-from accelerate.utils.memory import should_reduce_batch_size  # noqa: E402
 from accelerate.utils import find_executable_batch_size as accelerates_search  # noqa: E402
+from accelerate.utils.memory import should_reduce_batch_size  # noqa: E402
 
 from estimator.errors import SpecError  # noqa: E402
 from estimator.gpus import GPU  # noqa: E402

@@ -182,7 +182,8 @@ class TrainingStep(torch.nn.Module):
         self.module = module
 
     def forward(self, batch: Any) -> Any:
-        return self.module.training_step(batch, 0)
+        module: Any = self.module
+        return module.training_step(batch, 0)
 
 
 def training_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
@@ -197,7 +198,7 @@ def training_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
 
 def configured_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
     """The one optimizer ``configure_optimizers`` returns (its schedulers are built and left alone)."""
-    module = model.module if isinstance(model, TrainingStep) else model
+    module: Any = model.module if isinstance(model, TrainingStep) else model
     optimizers, _, _ = _configure_optimizers(module.configure_optimizers())
     if len(optimizers) != 1:
         raise SpecError("configure_optimizers", f"{len(optimizers)} optimizers", "one optimizer (automatic "
@@ -213,7 +214,7 @@ def _no_log(*args: Any, **kwargs: Any) -> None:
 def _on_device(model: torch.nn.Module) -> None:
     """The copy on the device, as Lightning's ``.to(device)`` leaves it: ``self.device`` answers the device,
     and ``self.log`` logs nothing (its values are fake)."""
-    module = model.module if isinstance(model, TrainingStep) else model
+    module: Any = model.module if isinstance(model, TrainingStep) else model
     first = next(iter(module.parameters()), None)
     if first is not None:
         module._device = first.device
@@ -251,8 +252,8 @@ def distributed_of(strategy: Strategy) -> tuple[Distributed, bool]:
             raise SpecError("strategy.cpu_offload", True, "off (parameters offloaded to the CPU are not modelled)")
         mp = strategy.mixed_precision_config
         names = {torch.float32: None, torch.bfloat16: "bf16", torch.float16: "fp16"}
-        param = names.get(mp.param_dtype) if mp is not None else None
-        reduce = names.get(mp.reduce_dtype) if mp is not None and param is not None else None
+        param = names.get(mp.param_dtype) if mp is not None and mp.param_dtype is not None else None
+        reduce = names.get(mp.reduce_dtype) if mp is not None and mp.reduce_dtype is not None and param else None
         d = Distributed("fsdp", world, reshard_after_forward=_RESHARD[name], param_dtype=param, reduce_dtype=reduce)
         return d, bool(strategy._activation_checkpointing_kwargs)
     if isinstance(strategy, DDPStrategy):
@@ -285,7 +286,7 @@ def _optimizer_name(pl_module: Any, trainer: Any) -> str:
     from estimator.models.meta import meta_copy
 
     try:
-        copy = meta_copy(pl_module, (trainer,) if trainer is not None else ())
+        copy: Any = meta_copy(pl_module, (trainer,) if trainer is not None else ())
         optimizers, _, _ = _configure_optimizers(copy.configure_optimizers())
     except Exception:  # noqa: BLE001 - a label only: configure_optimizers runs again, checked, in the simulation
         return "adamw"

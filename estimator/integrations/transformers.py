@@ -25,7 +25,7 @@ import json
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from estimator.integrations.fit import Fit, batch_like, card_for, fit_batch, require
 
@@ -108,7 +108,7 @@ def recipe_of(args: TrainingArguments, model: torch.nn.Module) -> Recipe:
         low = "bf16" if args.bf16 else "fp16"
         d = dataclasses.replace(d, param_dtype=low, reduce_dtype=low)
         precision = "fp32"  # accelerate's MixedPrecisionPolicy casts the shards (batchfit's fsdp.param_dtype)
-    cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+    cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, cast(Any, model))
     options = {"lr": kwargs.get("lr"), "weight_decay": args.weight_decay, **{k: kwargs[k] for k in
                                                                              ("betas", "eps") if k in kwargs}}
     return Recipe(precision=precision, optimizer=_OPTIMIZERS.get(cls, "adamw"), optimizer_kwargs=options,
@@ -119,10 +119,11 @@ def recipe_of(args: TrainingArguments, model: torch.nn.Module) -> Recipe:
 def _checkpointing(args: TrainingArguments) -> bool | str:
     if not args.activation_checkpointing:
         return False
-    kwargs = dict(args.activation_checkpointing_kwargs or {})
+    kwargs: dict[str, Any] = dict(cast(Any, args.activation_checkpointing_kwargs) or {})
     for key, plain in (("every_n_layers", 1), ("offload", False)):
-        if kwargs.pop(key, plain) != plain:
-            raise SpecError(f"activation_checkpointing_kwargs.{key}", kwargs.get(key), f"{plain} (not modelled)")
+        value = kwargs.pop(key, plain)
+        if value != plain:
+            raise SpecError(f"activation_checkpointing_kwargs.{key}", value, f"{plain} (not modelled)")
     return "reentrant" if kwargs.get("use_reentrant") else True  # transformers' default: non-reentrant
 
 
@@ -141,7 +142,7 @@ def distributed_of(args: Any, world_size: int | None = None) -> tuple[Distribute
         raise SpecError("deepspeed.zero_optimization.stage", stage, "1 or 3 (ZeRO-2's gradient partitioning and "
                         "stage 0 are not modelled)")
     if getattr(args, "fsdp", None):
-        config = dict(getattr(args, "fsdp_config", None) or {})
+        config: dict[str, Any] = dict(cast(Any, getattr(args, "fsdp_config", None)) or {})
         if str(config.get("cpu_offload", "false")).lower() == "true":
             raise SpecError("fsdp_config.cpu_offload", True, "false (offloaded parameters are not modelled)")
         raf = config.get("reshard_after_forward", True)
@@ -171,7 +172,7 @@ def optimizer_fn_of(args: TrainingArguments) -> Any:
     weight-decay and no-decay parameter groups."""
 
     def build(model: torch.nn.Module) -> torch.optim.Optimizer:
-        cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+        cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, cast(Any, model))
         decay = set(Trainer.get_decay_parameter_names(None, model))  # type: ignore[arg-type]  # self unused
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         groups = [{"params": [p for n, p in named if n in decay], "weight_decay": args.weight_decay},

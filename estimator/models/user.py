@@ -47,6 +47,6 @@ def user_model(model: Any, batch_factory: BatchFactory, loss_fn: LossFn | None =
                           count_parameters(model), step_fn=step_fn, optimizer_fn=optimizer_fn, on_device=on_device)
     if not callable(model):
         raise SpecError("model", type(model).__name__, "an nn.Module or a factory returning one")
-    return BuiltModel(name or getattr(model, "__name__", "model"), model, batch_factory, loss_fn, {}, 0,
+    return BuiltModel(str(name or getattr(model, "__name__", "model")), model, batch_factory, loss_fn, {}, 0,
                       step_fn=step_fn, optimizer_fn=optimizer_fn, on_device=on_device)
 

@@ -76,7 +76,7 @@ def job_group_set_aside() -> Iterator[None]:
     from torch.distributed import distributed_c10d as c10d
 
     world = c10d._world
-    maps = [world.pg_map, world.pg_names, world.pg_group_ranks, world.pg_backend_config, world.tags_to_pg,
+    maps: list[Any] = [world.pg_map, world.pg_names, world.pg_group_ranks, world.pg_backend_config, world.tags_to_pg,
             world.pg_to_tag, world.pg_coalesce_state]
     default, saved = world.default_pg, [dict(m) for m in maps]
     world.default_pg = None
