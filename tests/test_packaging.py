@@ -157,7 +157,8 @@ def test_the_service_imports_only_what_core_and_service_install() -> None:
 
 # the drop-ins are their frameworks' (a Lightning callback subclasses Lightning's): importing one asks for its
 # library, which names the extra when missing (test_an_integration_without_its_library_names_the_extra)
-FRAMEWORK_MODULES = {f"estimator/integrations/{name}.py" for name in ("lightning", "transformers", "accelerate", "keras")}
+FRAMEWORK_MODULES = {f"estimator/integrations/{name}.py"
+                     for name in ("lightning", "transformers", "accelerate", "keras")}
 
 
 def test_no_library_module_imports_an_extra_at_module_level() -> None:

@@ -1,5 +1,6 @@
 """The user's own model and step: ``estimate_memory`` of an ``nn.Module`` instance (a meta copy, the instance
-untouched) and of a ``step_fn(model, batch) -> loss``; the pieces every drop-in shares (estimator/integrations/fit.py)."""
+untouched) and of a ``step_fn(model, batch) -> loss``; the pieces every drop-in shares
+(estimator/integrations/fit.py)."""
 
 from __future__ import annotations
 
@@ -150,3 +151,19 @@ def test_the_recorded_steps_phases_for_a_step_fn() -> None:
     report = estimate_memory(AutoEncoder(), _batch, batch_size=4, step_fn=two_losses, gpu=None)
     phases = {a.phase for a in report.trace.allocations}
     assert {Phase.INPUT, Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER} <= phases and Phase.LOSS not in phases
+
+
+def test_a_plain_pytorch_step_answers_like_the_frameworks_and_writes_a_profile(tmp_path) -> None:
+    import json
+
+    from estimator.integrations.fit import fit_step
+    from estimator.pipeline import estimate_from_profile
+    from estimator.portable.profile import PortableProfile
+
+    fit = fit_step(AutoEncoder(), _batch, step_fn=two_losses, gpu="T4-16GB")
+    assert fit.batch_size == fit.result.recommended_batch_size and fit.result.gpu == "T4-16GB"
+    path = tmp_path / "step.json"
+    fit.save_profile(path)
+    again = estimate_from_profile(PortableProfile.from_json(json.loads(path.read_text())), gpus=["T4-16GB"])
+    assert again.results[0].max_batch_size == fit.result.max_batch_size
+    assert again.results[0].recommended_batch_size == fit.result.recommended_batch_size

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from estimator import __version__, torch_version
 from estimator.errors import MissingExtraError, SpecError, UnknownGPUError
 from estimator.gpus import CATALOG_VERSION, GPU, custom_gpu, get_gpu
-from estimator.models import BatchFactory, BuiltModel
+from estimator.models import BatchFactory, BuiltModel, LossFn, StepFn
 from estimator.options import DEFAULT_HEADROOM, AdviceOptions, PlanOptions
 from estimator.plan.answer import answer_at, smallest_batch
 from estimator.plan.notes import Notes
@@ -182,6 +182,23 @@ def fit_batch(built: BuiltModel, recipe: Recipe, card: GPU | None, *, batch_size
     chosen = batch_size or batch
     return Fit(card, recipe, chosen, accumulation, steps.report(chosen, card, exact=False), result, response,
                built.name, steps, start)
+
+
+def fit_step(model: Any, batch_factory: BatchFactory, loss_fn: LossFn | None = None, *,
+             step_fn: StepFn | None = None, recipe: Recipe | None = None, gpu: str | GPU | None = "A100-80GB",
+             headroom: float | None = None, target_global_batch: int | None = None) -> Fit:
+    """Plain PyTorch's drop-in: ``estimate_memory``'s model and step (an instance or a factory; ``loss_fn`` or
+    ``step_fn``) answered on a card as the frameworks' are, the recommended batch and the card's result, and
+    ``save_profile`` for a scheduler.
+
+    >>> fit = fit_step(my_module, make_batch, step_fn=my_step, gpu="H100-80GB")        # doctest: +SKIP
+    >>> fit.result.recommended_batch_size, fit.save_profile("job.profile.json")
+    """
+    from estimator.models.user import user_model
+
+    card = card_for(gpu)
+    return fit_batch(user_model(model, batch_factory, loss_fn, step_fn=step_fn), recipe or Recipe(), card,
+                     headroom=headroom, target_global_batch=target_global_batch)
 
 
 def request_of(name: str, recipe: Recipe) -> dict[str, Any]:
