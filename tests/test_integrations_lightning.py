@@ -137,6 +137,29 @@ def test_the_callback_sets_the_recommended_batch_before_training() -> None:
     assert module.encoder[0].weight.device.type == "cpu"
 
 
+class OwnData(TwoHeads):
+    """A module that makes its dataset in its own ``setup`` (which Lightning calls after the callbacks') and has
+    the ``batch_size`` itself."""
+
+    def __init__(self) -> None:
+        super().__init__(width=32)
+        self.batch_size = 4
+
+    def setup(self, stage: str) -> None:
+        self.data = Images(samples=16)
+        self.data.setup()
+
+    def train_dataloader(self):
+        return DataLoader(self.data.data, batch_size=self.batch_size)
+
+
+def test_a_module_with_its_own_data_gets_the_batch() -> None:
+    module = OwnData()
+    callback = BatchSizeEstimator(gpu="T4-16GB", max_val=100_000)
+    _trainer(callback).fit(module)
+    assert module.batch_size == callback.result.recommended_batch_size > 4 and module.steps_run == 2
+
+
 def test_the_callback_refuses_a_module_without_the_batch_field() -> None:
     trainer = _trainer(BatchSizeEstimator(gpu="A100-80GB", batch_arg_name="micro_batch"))
     with pytest.raises(SpecError) as info:

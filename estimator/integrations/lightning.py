@@ -3,10 +3,12 @@
 >>> trainer = Trainer(max_epochs=3, callbacks=[BatchSizeEstimator(gpu="A100-80GB")])   # doctest: +SKIP
 >>> trainer.fit(module, datamodule)          # datamodule.batch_size: the recommended batch, set before training
 
-At ``setup`` (stage fit: before the strategy moves, wraps or casts the module) it simulates the module's own
-step as Lightning's automatic optimization runs it: ``training_step`` (under the precision's autocast; the
-batch cast for ``bf16-true``), ``zero_grad`` after it, backward, the optimizer ``configure_optimizers`` builds,
-over a copy of the module with fake parameters (the module untouched, no weight copied to any device). The
+At ``setup`` (stage fit) it copies the module's structure onto the meta device, before the strategy moves,
+casts or wraps it (the module untouched, no weight copied to any device); at ``on_fit_start``, where
+``BatchSizeFinder`` searches (the module's own ``setup`` has made its datasets, the train dataloader is not made
+yet), it simulates that copy's step as Lightning's automatic optimization runs it: ``training_step`` (under the
+precision's autocast; the batch cast for ``bf16-true``), ``zero_grad`` after it, backward, the optimizer
+``configure_optimizers`` builds. Layers a ``configure_model`` hook adds after setup are not in the copy. The
 Trainer's precision (``32-true``, ``16-mixed``, ``bf16-mixed``, ``bf16-true``), ``accumulate_grad_batches`` and
 strategy (DDP, FSDP: one rank of ``world_size``) are read into batchfit's recipe (``recipe_of``). The batch is
 shaped like the train dataloader's first one. Then the recommended batch (at most ``max_val``) is set with
@@ -71,6 +73,7 @@ class BatchSizeEstimator(BatchSizeFinder):
         self.gpu, self.headroom, self.target_global_batch = gpu, headroom, target_global_batch
         self.profile_path = profile_path
         self.fit: Fit | None = None
+        self._before_strategy: Any = None  # the module at setup, on the meta device
 
     @property
     def result(self) -> Any:
@@ -89,8 +92,17 @@ class BatchSizeEstimator(BatchSizeFinder):
         return None if self.fit is None else self.fit.report
 
     def setup(self, trainer: Any, pl_module: Any, stage: str | None = None) -> None:
+        """Stage fit: the module's structure as it is now, before the strategy moves, casts or wraps it (FSDP
+        replaces its blocks), copied onto the meta device for ``on_fit_start``."""
         if stage == "fit":
-            self.scale_batch_size(trainer, pl_module)
+            from estimator.models.meta import meta_copy
+
+            self._before_strategy = meta_copy(pl_module, (trainer,))
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        """Where ``BatchSizeFinder`` searches: the module's own ``setup`` has run (its datasets exist), the
+        train dataloader is not made yet."""
+        self.scale_batch_size(trainer, pl_module)
 
     def scale_batch_size(self, trainer: Any, pl_module: Any) -> None:
         """Estimate, then set the batch (and the accumulation) where ``BatchSizeFinder`` sets it."""
@@ -113,17 +125,15 @@ class BatchSizeEstimator(BatchSizeFinder):
 
     def _estimate(self, trainer: Any, pl_module: Any) -> Fit:
         current = lightning_getattr(pl_module, self._batch_arg_name)
-        fit = estimate_lightning(pl_module, first_batch(trainer), trainer=trainer, gpu=self.gpu,
+        module = self._before_strategy if self._before_strategy is not None else pl_module
+        fit = estimate_lightning(module, first_batch(trainer), trainer=trainer, gpu=self.gpu,
                                  batch_size=current, headroom=self.headroom,
                                  target_global_batch=self.target_global_batch, max_val=self._max_val)
         if self.profile_path is not None:
             fit.save_profile(self.profile_path)
         return fit
 
-    # BatchSizeFinder's trial searches, at fit, validate, test and predict start: nothing to try here
-    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        pass
-
+    # BatchSizeFinder's trial searches at validate, test and predict start: nothing to try here
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         pass
 
