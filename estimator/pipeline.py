@@ -97,7 +97,7 @@ def estimate_from_profile(profile: PortableProfile, gpus: list[Any] | None = Non
     t0 = time.perf_counter()
     data = {**profile.request, "gpus": gpus, "batch_size": batch_size}
     data["planner"] = {**data.get("planner", {}), **(planner or {}), "confirm": ConfirmMode.NONE.value}
-    job = job_of(parse_request(data))
+    job = job_of(parse_request(data, allow_local_code=True))  # never built: a profile's model is only a label
     return answer(ProfileReplayer(profile), job.cards, job.plan, started=t0)
 
 
@@ -127,7 +127,7 @@ def profile_view(profile: PortableProfile, gpus: list[Any] | None = None, batch_
                  response: EstimateResponse | None = None) -> StepView:
     """``step_view`` of a profile's step on the first of ``gpus`` (the catalog's first without), synthesized."""
     first = (response or estimate_from_profile(profile, gpus, batch_size)).results[0]
-    job = job_of(parse_request({**profile.request, "gpus": gpus}))
+    job = job_of(parse_request({**profile.request, "gpus": gpus}, allow_local_code=True))
     batch, card = batch_size or view_batch(first), job.cards[0]
     return view_of(ProfileReplayer(profile).step(batch, card), batch, card, job.plan.reserve_bytes)
 

@@ -23,6 +23,7 @@ LAYERS = [
     ("app", "app.k8s"),                # the HTTP service, its Kubernetes routes
     ("estimator.measure",),            # real CUDA, CPU and gloo steps, measured
     ("estimator.testing",),            # the test zoo and the coverage sweep
+    ("estimator.integrations",),       # drop-ins for Lightning, the HF Trainer, accelerate, Keras: the user's step
     ("estimator.pipeline",),           # one request end to end
     ("estimator.request",),            # the request: schema, parse, job_of
     ("estimator.portable",),           # the portable profile and its replayer

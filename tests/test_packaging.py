@@ -34,10 +34,10 @@ PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
 # distributions that belong to an extra and must stay out of the core (directly and transitively)
 EXTRA_ONLY = {"fastapi", "starlette", "uvicorn", "pydantic-settings", "redis", "prometheus-client", "matplotlib",
-              "nvidia-ml-py", "pynvml", "fastapi-offline"}
+              "nvidia-ml-py", "pynvml", "fastapi-offline", "lightning", "pytorch-lightning", "accelerate", "keras"}
 # their modules, as the library must not import them
 EXTRA_MODULES = ("fastapi", "starlette", "uvicorn", "pydantic_settings", "redis", "prometheus_client", "matplotlib",
-                 "pynvml", "fastapi_offline")
+                 "pynvml", "fastapi_offline", "lightning", "accelerate", "keras")
 
 
 # --- pyproject.toml -------------------------------------------------------------------------------------------
@@ -89,16 +89,17 @@ def test_core_dependencies_leave_out_the_service_plot_and_gpu() -> None:
 
 def test_each_extra_holds_what_its_part_imports() -> None:
     extras = PROJECT["optional-dependencies"]
-    assert {"service", "plot", "gpu", "test"} <= set(extras)
+    assert {"service", "plot", "gpu", "integrations", "test"} <= set(extras)
     assert _names(extras["service"]) >= {"fastapi", "uvicorn", "pydantic-settings", "redis", "prometheus-client",
                                           "httpx", "fastapi-offline"}
     assert _names(extras["plot"]) >= {"matplotlib"}
     assert _names(extras["gpu"]) >= {"nvidia-ml-py"}
+    assert _names(extras["integrations"]) >= {"lightning", "accelerate", "keras"}
     # the tests cover the service, the plot and validation: the test extra brings every other extra
     test = _extra("test")
     selves = [r for r in test if canonicalize_name(r.name) == "batchfit"]
     brought = set().union(*(r.extras for r in selves)) if selves else set()
-    for name in ("service", "plot", "gpu"):
+    for name in ("service", "plot", "gpu", "integrations"):
         assert name in brought or _names(extras[name]) <= _names(extras["test"]), name
     assert _names(extras["test"]) >= {"pytest", "hypothesis", "httpx", "schemathesis", "pyyaml"}
     # and `make test` installs the test extra, which brings the tools it runs (make lint, make typecheck)
@@ -154,9 +155,17 @@ def test_the_service_imports_only_what_core_and_service_install() -> None:
         assert dists & declared, f"app/ imports {module} ({', '.join(sorted(dists))}): not in core or service"
 
 
+# the drop-ins are their frameworks' (a Lightning callback subclasses Lightning's): importing one asks for its
+# library, which names the extra when missing (test_an_integration_without_its_library_names_the_extra)
+FRAMEWORK_MODULES = {f"estimator/integrations/{name}.py"
+                     for name in ("lightning", "transformers", "accelerate", "keras")}
+
+
 def test_no_library_module_imports_an_extra_at_module_level() -> None:
     offenders = {}
     for path in sorted((ROOT / "estimator").rglob("*.py")):
+        if str(path.relative_to(ROOT)) in FRAMEWORK_MODULES:
+            continue
         for module, dists in _distributions(_imports(path, top_level_only=True)).items():
             if dists & EXTRA_ONLY:
                 offenders[str(path.relative_to(ROOT))] = module
@@ -225,6 +234,21 @@ print(json.dumps({"peak": report.device_peak_bytes, "gpus": main(["gpus"]), "err
     assert plot["extra"] == "plot" and "matplotlib" in plot["cause"]
     assert "pip install 'batchfit[plot]'" in plot["message"]
     assert gpu["extra"] == "gpu" and "pynvml" in gpu["cause"] and "pip install 'batchfit[gpu]'" in gpu["message"]
+
+
+@pytest.mark.parametrize(("module", "library"), [("lightning", "lightning"), ("transformers", "accelerate"),
+                                                 ("accelerate", "accelerate"), ("keras", "keras")])
+def test_an_integration_without_its_library_names_the_extra(module: str, library: str) -> None:
+    out = _json(_python(f"""
+import json
+from estimator.errors import MissingExtraError
+try:
+    import estimator.integrations.{module}
+except MissingExtraError as exc:
+    print(json.dumps({{"extra": exc.extra, "cause": exc.cause, "message": str(exc)}}))
+""", blocked=(library,), env={"KERAS_BACKEND": "torch"}))
+    assert out["extra"] == "integrations" and library in out["cause"]
+    assert "pip install 'batchfit[integrations]'" in out["message"]
 
 
 def test_serve_without_the_service_extra_says_which_extra() -> None:

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from estimator.models import OptimizerFn, StepFn
 from estimator.simulate.recipe import Recipe
 from estimator.testing.zoo import ZOO
 
@@ -19,7 +20,8 @@ BATCH = 4
 
 
 def real_cpu_peak(name: str, recipe: Recipe, batch: int = BATCH,
-                  factories: tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]] | None = None) -> int:
+                  factories: tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any] | None] | None = None,
+                  *, step_fn: StepFn | None = None, optimizer_fn: OptimizerFn | None = None) -> int:
     """Peak live bytes of the CPU allocator over the loop the simulator runs, run for real.
 
     oneDNN stays off: its bf16 convolutions allocate a scratchpad of their own
@@ -28,18 +30,28 @@ def real_cpu_peak(name: str, recipe: Recipe, batch: int = BATCH,
     workspace is cuDNN's, modelled on its own); fp32 takes the same native path
     here either way.
 
-    ``factories`` (model, batch, loss), when given, replace ``ZOO[name]``: a test's own model.
+    ``factories`` (model, batch, loss), when given, replace ``ZOO[name]``: a test's own model; with
+    ``step_fn`` (the loss None) and ``optimizer_fn``, a step the user wrote (``estimator.models.user``).
     """
     from estimator.simulate.step import cast_model, prepare, run_steps
 
     mf, bf, lf = factories or ZOO[name]
     torch.manual_seed(0)
+
+    def loop() -> None:
+        # the loop the simulation runs (estimator/simulate/step.py), for real on the CPU
+        training = prepare(cast_model(mf(), recipe), recipe, torch.device("cpu"), optimizer_fn=optimizer_fn)
+        run_steps(training, bf, lf, batch, recipe, torch.device("cpu"), step_fn=step_fn)
+
+    return cpu_peak_of(loop)
+
+
+def cpu_peak_of(run: Callable[[], None]) -> int:
+    """Peak live bytes of the CPU allocator while ``run()`` runs, under torch.profiler (oneDNN off, as in
+    ``real_cpu_peak``): what a framework's own training step (Keras's ``train_step``) allocates."""
     profiling = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
     with torch.backends.mkldnn.flags(enabled=False), profiling as prof:
-        # the loop the simulation runs (estimator/simulate/step.py), for real on the CPU
-        training = prepare(cast_model(mf(), recipe), recipe, torch.device("cpu"))
-        run_steps(training, bf, lf, batch, recipe, torch.device("cpu"))
-        del training
+        run()
     from torch._C._profiler import _EventType
 
     allocations = []

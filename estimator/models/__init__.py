@@ -35,6 +35,12 @@ if TYPE_CHECKING:
 ModelFactory = Callable[[], "torch.nn.Module"]  # called under torch.device("meta") (or on the real device)
 BatchFactory = Callable[[int, "torch.device"], tuple[Any, Any]]  # (batch size, device) -> (inputs, targets)
 LossFn = Callable[[Any, Any], "torch.Tensor"]  # (outputs, targets) -> the scalar loss
+# A loop whose loss is not loss_fn(model(x), y): (model, the batch factory's whole value) -> the scalar loss
+StepFn = Callable[["torch.nn.Module", Any], "torch.Tensor"]
+# The model's own optimizer (Lightning's configure_optimizers, the HF Trainer's): (the model on the device) -> it
+OptimizerFn = Callable[["torch.nn.Module"], "torch.optim.Optimizer"]
+# Once the model is on the (virtual) device: what a framework re-points there (Keras's variables, Lightning's device)
+OnDevice = Callable[["torch.nn.Module"], None]
 
 
 @dataclass
@@ -44,18 +50,23 @@ class BuiltModel:
     ``worst_case``: data-dependent sizes at their maximum (detection; set by the simulation when a step turns
     out to need it). ``moe_routing``: tokens per expert in an eager experts loop (the virtual GPU follows it).
     ``max_seq_len``: the longest ``input.seq_len`` the model's positions allow (None: no position table).
+    A step the user wrote (``estimator.models.user``) adds ``step_fn`` (then ``loss_fn`` is None and the batch
+    factory's value is the whole batch), ``optimizer_fn`` (else the recipe's optimizer) and ``on_device``.
     """
 
     name: str
     factory: ModelFactory
     batch_factory: BatchFactory
-    loss_fn: LossFn
+    loss_fn: LossFn | None
     input: dict[str, Any]
     parameter_count: int
     assumptions: list[str] = field(default_factory=list)
     worst_case: bool = False
     moe_routing: str = "balanced"
     max_seq_len: int | None = None
+    step_fn: StepFn | None = None
+    optimizer_fn: OptimizerFn | None = None
+    on_device: OnDevice | None = None
 
     def mark_worst_case(self) -> None:
         """A step of this model turned out to need the worst-case policy: every later simulation uses it."""

@@ -25,7 +25,7 @@ from torch.utils.flop_counter import flop_registry as _FLOPS
 
 from estimator.errors import BatchTooSmallError, DataDependentError, SimulationError, SpecError
 from estimator.gpus import GPU
-from estimator.models import BatchFactory, BuiltModel, LossFn, ModelFactory
+from estimator.models import BatchFactory, BuiltModel, LossFn, ModelFactory, OnDevice, OptimizerFn, StepFn
 from estimator.models.meta import build_on_meta
 from estimator.simulate.accumulation import Cut, expand, micro_steps_in_trace, repeats
 from estimator.simulate.distributed import (
@@ -441,7 +441,7 @@ class StepNotes:
 def record_training(
     model_factory: ModelFactory,
     batch_factory: BatchFactory,
-    loss_fn: LossFn,
+    loss_fn: LossFn | None,
     batch_size: int,
     recipe: Recipe,
     gpu: GPU | None,
@@ -453,13 +453,17 @@ def record_training(
     every_micro_step: bool = False,
     routing: str = "balanced",
     notes: Sequence[str] = (),
+    step_fn: StepFn | None = None,
+    optimizer_fn: OptimizerFn | None = None,
+    on_device: OnDevice | None = None,
 ) -> Trace:
     """Simulate ``recipe.iterations`` training steps (``estimator.simulate.step``) and return the event trace.
 
     Accumulation micro-steps stop being simulated once they repeat (``estimator.simulate.accumulation``);
     ``every_micro_step`` simulates them all, the trace that repetition stands for (slow: for tests).
     ``routing``: tokens per expert in an eager experts loop (``model.moe_routing``); ``notes``: assumption
-    lines the caller adds to the trace's own.
+    lines the caller adds to the trace's own. ``step_fn``, ``optimizer_fn``, ``on_device``: a step the user
+    wrote (``estimator.models.user``).
     """
     if not isinstance(batch_size, int) or batch_size < 1:
         raise SpecError("batch_size", batch_size, "an integer >= 1")
@@ -496,16 +500,18 @@ def record_training(
             model = vgpu.materialize_sharded(meta_model)
         else:
             model = vgpu.materialize(meta_model)
+        if on_device is not None:
+            _call(Phase.SETUP, functools.partial(on_device, model), recorder)
         recorder.mark(model.parameters(), Category.PARAMETER)
         recorder.mark(model.buffers(), Category.BUFFER)
         unsupported.extend(_unsupported_hooks(model))
-        training = _call(Phase.SETUP, functools.partial(prepare, model, recipe, vgpu.device, simulated=True),
-                         recorder)
+        training = _call(Phase.SETUP, functools.partial(prepare, model, recipe, vgpu.device, simulated=True,
+                                                        optimizer_fn=optimizer_fn), recorder)
         setup.extend(training.notes)
         recorder.track_gradients(training.params)
         with _ModuleTracker(recorder, model, training.model):
             run_steps(training, batch_factory, loss_fn, batch_size, recipe, vgpu.device,
-                      hooks=SimulationHooks(vgpu, recorder, training.model if d.active else None))
+                      hooks=SimulationHooks(vgpu, recorder, training.model if d.active else None), step_fn=step_fn)
         recorder.track_gradients([])
         del model, training
     return recorder.finish(recipe.grad_accumulation_steps, StepNotes(
@@ -539,7 +545,8 @@ def record_built(built: BuiltModel, batch_size: int, recipe: Recipe, gpu: GPU | 
     fails even under the policy raises the first error."""
     def run(worst_case: bool) -> Trace:
         return record_training(built.factory, built.batch_factory, built.loss_fn, batch_size, recipe, gpu,
-                               worst_case=worst_case, routing=built.moe_routing, notes=notes)
+                               worst_case=worst_case, routing=built.moe_routing, notes=notes, step_fn=built.step_fn,
+                               optimizer_fn=built.optimizer_fn, on_device=built.on_device)
 
     try:
         return run(built.worst_case)

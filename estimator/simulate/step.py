@@ -4,7 +4,10 @@ Per iteration: zero_grad -> (input -> forward -> loss -> backward) x
 accumulation steps -> optimizer step (GradScaler for amp-fp16); a
 simulation runs only the micro-steps it needs (``StepHooks.micro_step``). Model
 outputs are released once the loss is computed, and the loss once
-backward has run, as in the Hugging Face Trainer and Lightning loops.
+backward has run, as in the Hugging Face Trainer and Lightning loops. A step
+the user wrote (``step_fn(model, batch) -> loss``: a Lightning module's
+``training_step``, Keras's ``train_step``) stands for forward and loss; its
+optimizer may be the model's own (``optimizer_fn``).
 
 >>> training = prepare(model, recipe, torch.device("cuda"))                # doctest: +SKIP
 >>> run_steps(training, batch_factory, loss_fn, 8, recipe, torch.device("cuda"))
@@ -25,8 +28,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from estimator.errors import SimulationError
-from estimator.models import BatchFactory, LossFn
+from estimator.errors import SimulationError, SpecError
+from estimator.models import BatchFactory, LossFn, OptimizerFn, StepFn
 from estimator.simulate.checkpointing import enable_checkpointing
 from estimator.simulate.optimizers import build_optimizer
 from estimator.simulate.recipe import Recipe
@@ -91,24 +94,45 @@ def cast_model(model: torch.nn.Module, recipe: Recipe) -> torch.nn.Module:
     return model.to(torch.bfloat16) if recipe.precision == "bf16" else model
 
 
-def prepare(model: torch.nn.Module, recipe: Recipe, device: torch.device, simulated: bool = False) -> Training:
+def prepare(model: torch.nn.Module, recipe: Recipe, device: torch.device, simulated: bool = False, *,
+            optimizer_fn: OptimizerFn | None = None) -> Training:
     """Train mode, checkpointing, DDP, the optimizer and the GradScaler (for ``device``), as every run sets
     them up. FSDP's ``fully_shard`` is applied before (``estimator.simulate.distributed.shard``: a simulation
     shards the model on the meta device). ``simulated``: the step runs on the virtual GPU (DDP's Reducer is
-    then ``SimulatedDDP``)."""
+    then ``SimulatedDDP``). ``optimizer_fn(model)``: the model's own optimizer, built from the model before DDP
+    wraps it (as Lightning calls ``configure_optimizers``), instead of the recipe's."""
     model.train()
     notes = []
     if recipe.gradient_checkpointing:
         notes.append(enable_checkpointing(model, recipe.gradient_checkpointing))
+    own = optimizer_fn(model) if optimizer_fn is not None else None
     if recipe.distributed.uses_ddp:
         from estimator.simulate.distributed import replicate
 
         model, how = replicate(model, recipe.distributed, simulated)
         notes.append(how)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = build_optimizer(recipe, params)
+    if own is not None:
+        if recipe.distributed.strategy == "zero1":
+            raise SpecError("training.distributed.strategy", "zero1", "ddp or fsdp with the model's own optimizer "
+                            "(ZeroRedundancyOptimizer wraps an optimizer class, not an optimizer)")
+        optimizer = own
+        notes.append(f"optimizer: the model's own, {_described(own)}")
+    else:
+        optimizer = build_optimizer(recipe, params)
     scaler = torch.amp.GradScaler(device.type) if recipe.uses_grad_scaler else None
     return Training(model, params, optimizer, scaler, notes)
+
+
+def _described(optimizer: torch.optim.Optimizer) -> str:
+    """``AdamW (2 parameter groups; lr=0.001, weight_decay=0.01)``: the class and the first group's options."""
+    groups = optimizer.param_groups
+    first = groups[0] if groups else {}
+    options = ", ".join(f"{k}={v}" for k, v in first.items() if k in _SHOWN and v is not None)
+    return f"{type(optimizer).__name__} ({len(groups)} parameter group{'s' * (len(groups) != 1)}; {options})"
+
+
+_SHOWN = ("lr", "betas", "momentum", "weight_decay", "foreach", "fused")
 
 
 def apply_model(model: torch.nn.Module, inputs: Any) -> Any:
@@ -120,9 +144,12 @@ def apply_model(model: torch.nn.Module, inputs: Any) -> Any:
     return model(inputs)
 
 
-def run_steps(training: Training, batch_factory: BatchFactory, loss_fn: LossFn, batch_size: int, recipe: Recipe,
-              device: torch.device, *, hooks: StepHooks | None = None) -> None:
-    """``recipe.iterations`` optimizer steps of ``training`` on batches from ``batch_factory``."""
+def run_steps(training: Training, batch_factory: BatchFactory, loss_fn: LossFn | None, batch_size: int,
+              recipe: Recipe, device: torch.device, *, hooks: StepHooks | None = None,
+              step_fn: StepFn | None = None) -> None:
+    """``recipe.iterations`` optimizer steps of ``training`` on batches from ``batch_factory``: the loss is
+    ``loss_fn(model(inputs), targets)`` of the batch's ``(inputs, targets)``, or ``step_fn(model, batch)`` of
+    the whole batch."""
     hooks = hooks or StepHooks(device)
     model, params, optimizer, scaler = training.model, training.params, training.optimizer, training.scaler
     keep = getattr(batch_factory, "keep_dtype", ())
@@ -137,8 +164,13 @@ def run_steps(training: Training, batch_factory: BatchFactory, loss_fn: LossFn, 
                 break  # the loss below is still divided by all of them
             hooks.phase(Phase.INPUT, it)
             batch = hooks.call(Phase.INPUT, lambda: batch_factory(batch_size, device))
-            inputs, targets = batch
-            loss = _forward(hooks, model, inputs, targets, loss_fn, recipe, keep=keep, it=it)
+            if step_fn is not None:
+                loss = _own_step(hooks, model, batch, step_fn, recipe, keep=keep, it=it)
+            else:
+                assert loss_fn is not None  # one of the two (estimator.models.user)
+                inputs, targets = batch
+                loss = _forward(hooks, model, inputs, targets, loss_fn, recipe, keep=keep, it=it)
+                del inputs, targets
             if micro == 0 and recipe.zero_grad_at == "after-forward":
                 hooks.phase(Phase.ZERO_GRAD, it)
                 optimizer.zero_grad(set_to_none=recipe.zero_grad_set_to_none)
@@ -150,7 +182,7 @@ def run_steps(training: Training, batch_factory: BatchFactory, loss_fn: LossFn, 
                 loss = scaler.scale(loss)
             hooks.call(Phase.BACKWARD, loss.backward)
             hooks.after_backward(params)
-            del loss, inputs, targets
+            del loss
         hooks.phase(Phase.OPTIMIZER, it)
         with hooks.optimizer_step():
             if scaler is not None:
@@ -173,6 +205,20 @@ def _forward(hooks: StepHooks, model: torch.nn.Module, inputs: Any, targets: Any
         hooks.phase(Phase.LOSS, it)
         loss = hooks.call(Phase.LOSS, functools.partial(loss_fn, out, targets))
         del out
+    return _checked(loss)
+
+
+def _own_step(hooks: StepHooks, model: torch.nn.Module, batch: Any, step_fn: StepFn, recipe: Recipe, *,
+              keep: tuple[int | str, ...] = (), it: int = 0) -> torch.Tensor:
+    """``step_fn(model, batch)``: forward and loss in one, under autocast, the batch as the forward gets it
+    (pure bf16 casts its floating tensors, as Lightning's ``bf16-true`` casts the whole batch)."""
+    with hooks.autocast(recipe.autocast_dtype):
+        hooks.phase(Phase.FORWARD, it)
+        loss = hooks.call(Phase.FORWARD, lambda: step_fn(model, recipe.forward_inputs(batch, keep)))
+    return _checked(loss)
+
+
+def _checked(loss: Any) -> torch.Tensor:
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise SimulationError("the loss must be a tensor with one element", Phase.LOSS)
     return loss

@@ -62,6 +62,39 @@ def process_group(d: Distributed) -> Iterator[None]:
         dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def job_group_set_aside() -> Iterator[None]:
+    """Inside a rank of a real job (a launched Lightning DDP run): the job's process groups put aside for the
+    block, so that simulations make their fake ones (``process_group``), then put back.
+
+    torch keeps the default group on ``distributed_c10d._world`` and its registry in module-level maps; a fake
+    group's ``destroy_process_group`` empties them and unregisters every group name torch's C++ side resolves
+    (functional collectives, DTensor), so the job's names are registered again after. No collective of the job
+    may run inside: its other ranks wait (within the job's timeout) until the block ends.
+    """
+    from torch._C._distributed_c10d import _register_process_group
+    from torch.distributed import distributed_c10d as c10d
+
+    world = c10d._world
+    maps: list[Any] = [world.pg_map, world.pg_names, world.pg_group_ranks, world.pg_backend_config, world.tags_to_pg,
+            world.pg_to_tag, world.pg_coalesce_state]
+    default, saved = world.default_pg, [dict(m) for m in maps]
+    world.default_pg = None
+    for m in maps:
+        m.clear()
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        world.default_pg = default
+        for m, kept in zip(maps, saved, strict=True):
+            m.clear()
+            m.update(kept)
+        for group, name in saved[1].items():
+            _register_process_group(name, group)
+
+
 def blocks_of(model: torch.nn.Module) -> tuple[str, list[torch.nn.Module]] | None:
     """The transformer blocks as checkpointing finds them (transformers' decoder layers, else the largest
     ModuleList/Sequential's entries), and where they are."""

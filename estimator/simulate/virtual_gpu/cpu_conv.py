@@ -8,7 +8,11 @@ so 2-D convolutions take ``_slow_conv2d_forward`` / ``_slow_conv2d_backward``
 ``finput``, the whole batch's columns, B x (C_in x kH x kW) x (H_out x W_out)
 (110,592 B), before its output and frees it on return; the backward
 allocates a buffer of the same shape after its outputs, and a contiguous
-copy of ``grad_output`` when that is not contiguous. A fake kernel makes
+copy of ``grad_output`` when that is not contiguous. "Contiguous" is in the
+memory format the kernel works in: channels-last when the input or the weight
+suggests it (``thnn_conv_use_channels_last``, aten/src/ATen/native/ConvUtils.h;
+Keras's torch backend hands convolutions channels-last tensors), else the
+default. A fake kernel makes
 only the outputs, so the recorder adds these as transient allocations. Only
 when the kernel needs columns (``requires_columns``: not a 1 x 1 kernel of
 stride 1 without padding), for ungrouped, untransposed 2-D convolutions; the
@@ -22,6 +26,16 @@ from typing import Any
 import torch
 
 from estimator.simulate.virtual_gpu.cudnn import COLUMNS, col_bytes
+
+
+def _memory_format(inp: Any, weight: Any) -> torch.memory_format:
+    """``thnn_conv_use_channels_last``: channels-last when either tensor suggests it (4-D, CPU)."""
+    from torch._prims_common import suggest_memory_format
+
+    cl = torch.channels_last
+    if any(isinstance(t, torch.Tensor) and t.dim() == 4 and suggest_memory_format(t) == cl for t in (inp, weight)):
+        return cl
+    return torch.contiguous_format
 
 
 class CpuConvColumns:
@@ -38,7 +52,8 @@ class CpuConvColumns:
         elif name == "convolution_backward":
             grad_out, inp, weight = args[0], args[1], args[2]
             geometry, transposed, groups, y = args[4:6], args[7], args[9], grad_out
-            extra = 0 if grad_out.is_contiguous() else grad_out.numel() * grad_out.element_size()
+            fmt = _memory_format(inp, weight)
+            extra = 0 if grad_out.is_contiguous(memory_format=fmt) else grad_out.numel() * grad_out.element_size()
         else:
             return []
         if not isinstance(inp, torch.Tensor) or inp.dim() != 4 or transposed or int(groups) != 1:
