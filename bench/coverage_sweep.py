@@ -1,4 +1,4 @@
-"""The coverage sweep (issue 16): every transformers causal-LM / masked-LM / seq2seq-LM / image-classification
+"""The coverage sweep: every transformers causal-LM / masked-LM / seq2seq-LM / image-classification
 model type and a seeded sample of 100 timm models, one simulated step each at batch 2 (estimator/testing/coverage.py).
 
     python bench/coverage_sweep.py [--only causal-lm,timm] [--limit N] [--deadline HH:MM] [--json out.json]

@@ -91,7 +91,7 @@ class GPU:
 
 # Context sizes: measured with torch 2.x / CUDA 12: about 300-500 MiB, larger
 # on Hopper (more kernel images and a larger context; PyTorch forum and
-# issue #12873-style reports: ~ 480-530 MiB on H100, ~ 420 MiB on A100,
+# pytorch/pytorch#12873-style reports: ~ 480-530 MiB on H100, ~ 420 MiB on A100,
 # ~ 300-330 MiB on V100/T4). Lazy module loading (CUDA_MODULE_LOADING=LAZY,
 # default since CUDA 11.7) keeps them at these levels.
 _CATALOG: tuple[GPU, ...] = (

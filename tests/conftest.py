@@ -3,12 +3,13 @@ them). A module names its tier with pytest's own ``pytestmark = pytest.mark.<tie
 of its own (a zoo sweep in a sim module) is in that tier only; a test with two tiers of its own is a usage
 error. ``make test-fast`` runs ``-m "unit or sim"``.
 
-Shared fixtures: the cards most tests use, by the catalog's names.
+Shared fixtures: the cards most tests use (tests/support.py has them as constants too).
 """
 
 from __future__ import annotations
 
 import pytest
+import support
 
 TIERS = ("unit", "sim", "sim_slow", "zoo", "service", "gpu")
 
@@ -35,20 +36,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture
 def a100_80():
-    from estimator.gpus import get_gpu
-
-    return get_gpu("A100-80GB")
+    return support.A100_80
 
 
 @pytest.fixture
 def a100_40():
-    from estimator.gpus import get_gpu
-
-    return get_gpu("A100-40GB")
+    return support.A100_40
 
 
 @pytest.fixture
 def t4():
-    from estimator.gpus import get_gpu
-
-    return get_gpu("T4-16GB")
+    return support.T4

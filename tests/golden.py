@@ -8,7 +8,7 @@ allocated, reserved and device peaks at the max (tests/golden.json). The
 rest of each response's numbers (tests/golden_details.json): per card the
 memory at the max and at the recommendation, and a 4-point memory curve;
 per request the per-sample and fixed bytes, FLOPs per sample, parameter
-count and the breakdown. Both were recorded before issue 12's refactor
+count and the breakdown. Both were recorded before the search's refactor
 (commit 0cbca65), and the refactored code reproduces them byte for byte.
 """
 
@@ -62,7 +62,7 @@ REQUESTS: dict[str, tuple[dict, dict, dict]] = {
 
 
 def _spelled(search) -> str:
-    """A ``Search`` as the recording spells it (before ``search`` was a structured field, issue 12)."""
+    """A ``Search`` as the recording spells it (before ``search`` was a structured field)."""
     from estimator.plan.results import SearchMethod
 
     return {SearchMethod.AFFINE_CHECKED: f"affine, checked at batch {search.checked_batch}",

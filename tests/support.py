@@ -1,11 +1,43 @@
-"""Helpers the test modules share (fixtures live in conftest.py)."""
+"""Helpers the test modules share (fixtures live in conftest.py): the cards most tests use, the service under
+test, its problem documents and metrics, and the model a parsed request builds."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
+from estimator.gpus import get_gpu
 from estimator.models import BuiltModel, build
 from estimator.request.adapt import job_of
+
+A100_80, A100_40, T4 = get_gpu("A100-80GB"), get_gpu("A100-40GB"), get_gpu("T4-16GB")
+PROBLEM = "application/problem+json"  # the media type of every non-2xx answer
+
+
+@contextmanager
+def service(cache: Path | None = None, *, start_workers: bool = True, raise_server_exceptions: bool = True,
+            **settings: Any) -> Iterator[Any]:
+    """A ``TestClient`` of the service: one worker, ``cache`` its SQLite file (none when None), ``settings``
+    any other ``app.settings.Settings`` field; e.g. ``with service(start_workers=False) as client: ...``."""
+    from fastapi.testclient import TestClient
+
+    from app.main import create_app
+    from app.settings import Settings
+
+    app = create_app(Settings(**{"workers": 1, "cache_path": str(cache) if cache else "", **settings}),
+                     start_workers=start_workers)
+    with TestClient(app, raise_server_exceptions=raise_server_exceptions) as client:
+        yield client
+
+
+def metric(client: Any, name: str) -> float:
+    """A sample's value in the service's /metrics (0 when absent); ``name`` with its labels, as printed."""
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
 
 
 def build_request(request: Any) -> BuiltModel:

@@ -32,6 +32,7 @@ import dataclasses
 import pytest
 import torch
 import torch.nn as nn
+from support import A100_80 as A100
 
 from estimator.gpus import custom_gpu, get_gpu
 from estimator.replay.allocator import AllocatorConfig
@@ -44,7 +45,7 @@ from estimator.simulate.step import prepare, run_steps
 from estimator.testing.zoo import ZOO, _ce, _image_batch
 
 pytestmark = pytest.mark.sim
-A100 = get_gpu("A100-80GB")
+
 MIB = 2**20
 
 

@@ -16,6 +16,7 @@ from urllib.parse import urljoin, urlsplit
 
 import pytest
 from fastapi.testclient import TestClient
+from support import service
 
 from app.docs import ASSETS
 from app.main import create_app
@@ -57,7 +58,7 @@ def _refs(html: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def client():
-    with TestClient(create_app(Settings(workers=1, cache_path=""), start_workers=False)) as c:
+    with service(start_workers=False) as c:
         yield c
 
 

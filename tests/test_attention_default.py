@@ -1,4 +1,4 @@
-"""``model.attn_implementation`` null: the kernel transformers itself picks for the class (issue 16).
+"""``model.attn_implementation`` null: the kernel transformers itself picks for the class.
 
 transformers (modeling_utils.py, ``PreTrainedModel.get_correct_attn_implementation``) tries sdpa when not told
 and falls back to eager for a class whose ``_supports_sdpa`` is False (bloom, gemma2, mamba, ...), where
@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from support import A100_40 as A100
 from support import build_request
 
 from estimator.errors import SpecError
-from estimator.gpus import get_gpu
 from estimator.pipeline import estimate
 from estimator.replay.report import report_from_trace
 from estimator.request.parse import parse_request
@@ -23,7 +23,7 @@ from estimator.simulate.record import record_training
 
 pytestmark = pytest.mark.sim
 
-A100 = get_gpu("A100-40GB")
+
 GPT2 = {"model_type": "gpt2", "n_layer": 1, "n_embd": 64, "n_head": 4, "vocab_size": 1000, "n_positions": 128}
 # bloom has no SDPA in the installed transformers (BloomForCausalLM._supports_sdpa is False)
 BLOOM = {"model_type": "bloom", "n_layer": 1, "hidden_size": 64, "n_head": 4, "vocab_size": 1000}

@@ -10,9 +10,9 @@ import textwrap
 import time
 
 import pytest
+from support import A100_80 as A100
 from support import build_request
 
-from estimator.gpus import get_gpu
 from estimator.request.parse import parse_request
 from estimator.simulate import background
 from estimator.simulate.background import Background
@@ -22,7 +22,6 @@ from estimator.simulate.source import Simulator
 
 pytestmark = pytest.mark.sim
 
-A100 = get_gpu("A100-80GB")
 
 
 def _alive(pid: int) -> bool:

@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 import torchvision
+from support import A100_80 as A100
 
 from estimator.cli.main import main
-from estimator.gpus import get_gpu
 from estimator.models.building import count_parameters
 from estimator.models.meta import build_on_meta
 from estimator.replay.allocator import round_size
@@ -31,7 +31,7 @@ from estimator.trace import Category
 
 pytestmark = pytest.mark.sim
 
-A100 = get_gpu("A100-80GB")
+
 PARAM, ACT = Category.PARAMETER, Category.ACTIVATION
 
 

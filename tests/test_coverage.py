@@ -1,4 +1,4 @@
-"""The coverage sweep (issue 16, estimator/testing/coverage.py): model types a user may bring simulate one step.
+"""The coverage sweep (estimator/testing/coverage.py): model types a user may bring simulate one step.
 
 CI runs a fixed sample: a dozen transformers types over the four tasks and five of the seeded timm names. Each
 simulates, or sits in estimator/testing/coverage_exclusions.json with its reason; an excluded type that simulates

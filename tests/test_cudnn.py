@@ -6,8 +6,10 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from support import A100_80 as A100
+from support import T4
 
-from estimator.gpus import MIB, get_gpu
+from estimator.gpus import MIB
 from estimator.pipeline import estimate, estimate_memory
 from estimator.replay.allocator import AllocatorConfig, replay_sized
 from estimator.request.parse import parse_request
@@ -15,7 +17,7 @@ from estimator.simulate.recipe import Recipe
 
 pytestmark = pytest.mark.sim
 
-A100, T4 = get_gpu("A100-80GB"), get_gpu("T4-16GB")
+
 B = 8
 
 

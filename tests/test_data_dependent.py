@@ -1,4 +1,4 @@
-"""Data-dependent ops in any model's forward (issue 16): the worst-case policy of the detection models
+"""Data-dependent ops in any model's forward: the worst-case policy of the detection models
 (estimator/simulate/virtual_gpu/worst_case.py) applies to every model whose step needs it, and the answer
 names each such op and the module that ran it, so a data-dependent size never makes a request fail."""
 

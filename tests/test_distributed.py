@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from support import A100_80 as A100
 
 from estimator.errors import SpecError
-from estimator.gpus import get_gpu
 from estimator.pipeline import estimate, estimate_memory
 from estimator.replay.allocator import AllocatorConfig, replay_sized
 from estimator.request.parse import parse_request
@@ -26,7 +26,6 @@ from estimator.trace import Category, Phase
 
 pytestmark = pytest.mark.sim
 MIB = 2**20
-A100 = get_gpu("A100-80GB")
 
 
 class Stack(nn.Module):

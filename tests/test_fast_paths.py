@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support import A100_80 as A100
 from support import build_request
 
-from estimator.gpus import get_gpu
 from estimator.request.parse import parse_request
 from estimator.simulate.recipe import Recipe
 from estimator.simulate.record import record_training
@@ -21,7 +21,7 @@ from estimator.testing.zoo import ZOO
 
 pytestmark = pytest.mark.sim
 
-A100 = get_gpu("A100-80GB")
+
 aten = torch.ops.aten
 
 

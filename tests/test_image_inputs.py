@@ -13,10 +13,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from support import A100_80 as A100
 from support import build_request
 
 from estimator.errors import SpecError
-from estimator.gpus import get_gpu
 from estimator.models import tasks
 from estimator.models.allowed import REFUSED_MODEL_TYPES
 from estimator.models.meta import build_on_meta
@@ -26,7 +26,6 @@ from estimator.simulate.record import record_built
 
 pytestmark = pytest.mark.sim
 
-A100 = get_gpu("A100-80GB")
 
 
 def _request(config: dict, **inp) -> dict:

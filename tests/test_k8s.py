@@ -15,6 +15,7 @@ from typing import Any
 import jsonpatch
 import pytest
 from fastapi.testclient import TestClient
+from support import metric, service
 
 from app.k8s.answers import card_key
 from app.k8s.cards import node_card
@@ -39,19 +40,9 @@ def spec_of(pod: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("k8s") / "cache.sqlite"
-    app = create_app(Settings(workers=1, queue_size=8, cache_path=str(cache), request_timeout_s=300,
-                              k8s_deadline_s=30))
-    with TestClient(app) as c:
+    with service(tmp_path_factory.mktemp("k8s") / "cache.sqlite", queue_size=8, request_timeout_s=300,
+                 k8s_deadline_s=30) as c:
         yield c
-
-
-def metric(client: TestClient, name: str) -> float:
-    """A sample's value in /metrics (0 when absent)."""
-    for line in client.get("/metrics").text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[-1])
-    return 0.0
 
 
 def direct(client: TestClient, pod: dict[str, Any], gpus: list[str], batch: int | None) -> list[dict[str, Any]]:

@@ -17,6 +17,7 @@ import jsonpatch
 import pytest
 from fastapi.testclient import TestClient
 from kubernetes.client import ApiClient
+from support import service
 
 from app.k8s.claims import REFERENCE_CARD
 from app.main import create_app
@@ -45,10 +46,8 @@ def body(name: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("claims") / "cache.sqlite"
-    app = create_app(Settings(workers=1, queue_size=8, cache_path=str(cache), request_timeout_s=300,
-                              k8s_deadline_s=30))
-    with TestClient(app) as c:
+    with service(tmp_path_factory.mktemp("claims") / "cache.sqlite", queue_size=8, request_timeout_s=300,
+                 k8s_deadline_s=30) as c:
         yield c
 
 

@@ -14,10 +14,10 @@ import json
 import pytest
 import torch
 import torchvision.models as tvm
+from support import A100_80 as A100
 from support import build_request
 
 from estimator.errors import BatchTooSmallError
-from estimator.gpus import get_gpu
 from estimator.models.meta import build_on_meta
 from estimator.models.sources.transformers.build import AUTO_CLASSES, presets
 from estimator.replay.report import report_from_trace
@@ -27,7 +27,7 @@ from estimator.simulate.record import record_training
 
 pytestmark = pytest.mark.zoo
 
-A100 = get_gpu("A100-80GB")
+
 BLOCK = 512  # the caching allocator rounds every request up to 512 B ...
 MIB = 2**20  # ... and hands a large-pool block out whole when less than 1 MiB would remain
 

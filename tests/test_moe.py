@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from support import A100_40 as A100
 from support import build_request
 
 from estimator.errors import SpecError
-from estimator.gpus import get_gpu
 from estimator.pipeline import estimate
 from estimator.request.parse import parse_request
 from estimator.simulate.recipe import Recipe
@@ -22,7 +22,7 @@ from estimator.simulate.record import record_training
 
 pytestmark = pytest.mark.sim
 
-A100 = get_gpu("A100-40GB")
+
 MIXTRAL = {"model_type": "mixtral", "num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 128,
            "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
            "vocab_size": 1000, "max_position_embeddings": 256}

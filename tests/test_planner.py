@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from support import A100_80 as A100
 from support import build_request
 
 from estimator.gpus import MIB, custom_gpu, get_gpu
@@ -28,8 +29,6 @@ from estimator.testing.zoo import ZOO
 
 pytestmark = pytest.mark.sim
 
-A100 = get_gpu("A100-80GB")
-T4 = get_gpu("T4-16GB")
 
 
 @pytest.mark.zoo  # a sweep over models: the zoo tier

@@ -8,6 +8,7 @@ import time
 
 import pytest
 from fastapi.testclient import TestClient
+from support import PROBLEM, service
 
 from app.main import create_app
 from app.settings import Settings
@@ -17,14 +18,11 @@ pytestmark = pytest.mark.service
 
 SMALL = {"model": {"source": "torchvision", "name": "resnet18"}, "gpus": ["T4-16GB"],
          "planner": {"confirm": "none", "curve_points": 0}}
-PROBLEM = "application/problem+json"
 
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("cache") / "cache.sqlite"
-    app = create_app(Settings(workers=1, queue_size=0, cache_path=str(cache), request_timeout_s=300))
-    with TestClient(app) as c:
+    with service(tmp_path_factory.mktemp("cache") / "cache.sqlite", queue_size=0, request_timeout_s=300) as c:
         yield c
 
 
@@ -117,8 +115,7 @@ def test_runaway_request_is_stopped_and_the_next_is_served(tmp_path) -> None:
 @pytest.mark.parametrize("header, status", [(None, 401), ("Bearer wrong", 401), ("Basic s3cret", 401),
                                             ("Bearer s3cret", 200)])
 def test_api_keys(header, status) -> None:
-    app = create_app(Settings(workers=1, cache_path="", api_keys="other, s3cret"), start_workers=False)
-    with TestClient(app) as c:
+    with service(start_workers=False, api_keys="other, s3cret") as c:
         headers = {"Authorization": header} if header else {}
         r = c.get("/gpus", headers=headers)
         assert r.status_code == status
@@ -147,7 +144,7 @@ def test_worker_past_the_memory_limit_is_replaced() -> None:
 
 
 def test_a_killed_worker_is_a_503_and_is_replaced() -> None:
-    """D1 (issue 13): a worker SIGKILLed mid-estimate (as the OOM killer does) gives its caller a 503 problem
+    """A worker SIGKILLed mid-estimate (as the OOM killer does) gives its caller a 503 problem
     with Retry-After; the worker is replaced, and the next 20 requests, each computed, all succeed."""
     import os
     import signal

@@ -6,16 +6,13 @@ from __future__ import annotations
 import pickle
 
 import pytest
-from fastapi.testclient import TestClient
-
-from app.main import create_app
-from app.settings import Settings
+from support import PROBLEM, service
 
 pytestmark = pytest.mark.service
 
 SMALL = {"model": {"source": "torchvision", "name": "resnet18"}, "input": {"image_size": [3, 64, 64]},
          "gpus": ["A100-80GB"], "planner": {"confirm": "none", "curve_points": 0}, "batch_size": 16}
-PROBLEM = "application/problem+json"
+
 TIMELINE_KEYS = ["gpu", "batch_size", "capacity_bytes", "usable_bytes", "allocated_peak_bytes", "reserved_peak_bytes",
                  "device_peak_bytes", "peak_event", "peak_phase", "events", "points", "categories", "allocated",
                  "reserved", "phases"]
@@ -23,9 +20,7 @@ TIMELINE_KEYS = ["gpu", "batch_size", "capacity_bytes", "usable_bytes", "allocat
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("cache") / "cache.sqlite"
-    app = create_app(Settings(workers=1, queue_size=4, cache_path=str(cache), request_timeout_s=300))
-    with TestClient(app) as c:
+    with service(tmp_path_factory.mktemp("cache") / "cache.sqlite", queue_size=4, request_timeout_s=300) as c:
         yield c
 
 

@@ -1,5 +1,5 @@
-"""The body's shape, checked on the raw bytes before parsing (issue 13: nesting and key counts limited
-before any parsing in Python objects): deep, wide and long-number bodies are refused in one linear pass."""
+"""The body's shape, checked on the raw bytes before parsing (nesting and key counts limited
+before any parsing into Python objects): deep, wide and long-number bodies are refused in one linear pass."""
 
 from __future__ import annotations
 

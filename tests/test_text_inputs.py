@@ -1,4 +1,4 @@
-"""The inputs and labels of transformers text models whose training step takes more than token ids (issue 16):
+"""The inputs and labels of transformers text models whose training step takes more than token ids:
 what a real run feeds them, and the assumption line that says so (estimator/models/transformers_models.py,
 ``_text_inputs``; estimator/models/tasks.py, ``text``). Tiny configs, batch 1 or 2, so each build takes seconds."""
 
@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 import torch
+from support import A100_40 as A100
 from support import build_request
 
 from estimator.errors import SpecError
-from estimator.gpus import get_gpu
 from estimator.request.parse import parse_request
 from estimator.simulate.recipe import Recipe
 from estimator.simulate.record import record_built
@@ -20,7 +20,7 @@ from estimator.testing import coverage
 pytestmark = pytest.mark.sim
 
 S = 16
-A100 = get_gpu("A100-40GB")
+
 TEXT = {"num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
         "vocab_size": 1000, "max_position_embeddings": 256}
 GIT = {"model_type": "git", **TEXT,

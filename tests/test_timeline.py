@@ -8,8 +8,9 @@ import json
 import pickle
 
 import pytest
+from support import A100_80 as A100
 
-from estimator.gpus import custom_gpu, get_gpu
+from estimator.gpus import custom_gpu
 from estimator.replay.snapshot import snapshot_of
 from estimator.replay.timeline import MAX_POINTS, ORDER, category_timeline, sample, timeline_of
 from estimator.replay.view import view_of
@@ -18,7 +19,6 @@ from estimator.trace import Allocation, Category, Trace
 pytestmark = pytest.mark.unit
 
 MiB = 2**20
-A100 = get_gpu("A100-80GB")
 
 # (bytes, phase, module, op, category) of each allocation
 ALLOCATIONS = [

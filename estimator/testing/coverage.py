@@ -1,4 +1,4 @@
-"""The coverage sweep (issue 16): does every model type a user may bring simulate a training step?
+"""The coverage sweep: does every model type a user may bring simulate a training step?
 
 Types come from the installed transformers (every model type its auto mappings send to causal-LM, masked-LM,
 seq2seq-LM and image-classification) and from a fixed, seeded sample of ``timm.list_models()``. Each is

@@ -1,4 +1,4 @@
-"""Issue 13, the result cache: faults degrade, never fail (D6 SQLite, D7 Redis), and the key and expiry (R5).
+"""The result cache under faults: they degrade, never fail (SQLite files, Redis), and the key and expiry.
 
 A degraded cache means "compute without the cache": estimates stay 200, /readyz stays 200 and says
 ``"cache": "degraded"`` with the reason, /metrics counts ``batchfit_cache_errors_total{op}``. Most tests
@@ -93,7 +93,7 @@ def writable(path: Path) -> None:
     os.chmod(path, 0o644)
 
 
-def test_d6_read_only_file_degrades_then_recovers_end_to_end(tmp_path) -> None:
+def test_read_only_file_degrades_then_recovers_end_to_end(tmp_path) -> None:
     """A real worker: estimates are computed (200) while the file is read-only, /readyz says why, and the
     file is used again once it is writable."""
     path = tmp_path / "cache.sqlite"
@@ -118,7 +118,7 @@ def test_d6_read_only_file_degrades_then_recovers_end_to_end(tmp_path) -> None:
         writable(path)
 
 
-def test_d6_file_corrupted_while_running_recomputes_former_hits_and_is_replaced(tmp_path) -> None:
+def test_file_corrupted_while_running_recomputes_former_hits_and_is_replaced(tmp_path) -> None:
     path = tmp_path / "cache.sqlite"
     with served(cache_path=str(path), cache_retry_s=0) as (c, _):
         assert estimate(c, SMALL) == ("miss", {"computed": 1})
@@ -133,7 +133,7 @@ def test_d6_file_corrupted_while_running_recomputes_former_hits_and_is_replaced(
         assert readyz(c)["cache"] == "ok"
 
 
-def test_d6_file_deleted_while_running_is_recreated(tmp_path) -> None:
+def test_file_deleted_while_running_is_recreated(tmp_path) -> None:
     path = tmp_path / "cache.sqlite"
     with served(cache_path=str(path), cache_retry_s=0) as (c, _):
         assert estimate(c, SMALL) == ("miss", {"computed": 1})
@@ -148,7 +148,7 @@ def test_d6_file_deleted_while_running_is_recreated(tmp_path) -> None:
         assert readyz(c)["cache"] == "ok" and path.exists()
 
 
-def test_d6_corrupt_file_at_startup_is_moved_aside(tmp_path) -> None:
+def test_corrupt_file_at_startup_is_moved_aside(tmp_path) -> None:
     path = tmp_path / "cache.sqlite"
     garbage = b"not a database " * 512
     path.write_bytes(garbage)
@@ -160,7 +160,7 @@ def test_d6_corrupt_file_at_startup_is_moved_aside(tmp_path) -> None:
         assert estimate(c, SMALL) == ("hit", {"computed": 1})
 
 
-def test_d7_unreachable_redis_means_compute_without_the_cache() -> None:
+def test_unreachable_redis_means_compute_without_the_cache() -> None:
     with served(redis_url=UNREACHABLE, cache_retry_s=3600) as (c, app):
         assert estimate(c, SMALL) == ("miss", {"computed": 1})
         assert estimate(c, SMALL) == ("miss", {"computed": 2})
@@ -196,7 +196,7 @@ def redis_server(port: int, workdir: Path) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def test_d7_redis_that_comes_back_is_used_again(tmp_path) -> None:
+def test_redis_that_comes_back_is_used_again(tmp_path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -209,7 +209,7 @@ def test_d7_redis_that_comes_back_is_used_again(tmp_path) -> None:
             time.sleep(0.1)
         c.set("k", {"v": 1})
         assert c.error is None and c.get("k") == {"v": 1}
-        ttl = c._redis.ttl("batchfit:k")  # R5: the default 7 days, as Redis's own expiry
+        ttl = c._redis.ttl("batchfit:k")  # the default 7 days, as Redis's own expiry
         assert WEEK - 60 < ttl <= WEEK
     finally:
         c.close()
@@ -218,7 +218,7 @@ def test_d7_redis_that_comes_back_is_used_again(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("library", ["timm", "torchvision", "transformers", "torch"])
-def test_r5_key_changes_with_each_model_library_version(monkeypatch, library) -> None:
+def test_key_changes_with_each_model_library_version(monkeypatch, library) -> None:
     installed = app.cache.library_versions()
     assert set(installed) == set(app.cache.LIBRARIES) and installed[library] == version(library)
     before = cache_key({"model": {"source": "timm", "name": "resnet18"}})
@@ -226,7 +226,7 @@ def test_r5_key_changes_with_each_model_library_version(monkeypatch, library) ->
     assert cache_key({"model": {"source": "timm", "name": "resnet18"}}) != before
 
 
-def test_r5_key_changes_with_the_estimator_source(monkeypatch) -> None:
+def test_key_changes_with_the_estimator_source(monkeypatch) -> None:
     import estimator
 
     assert app.cache.source_hash() == app.cache.tree_hash(Path(estimator.__file__).parent)
@@ -235,7 +235,7 @@ def test_r5_key_changes_with_the_estimator_source(monkeypatch) -> None:
     assert cache_key({"x": 1}) != before
 
 
-def test_r5_tree_hash_covers_code_and_presets_only(tmp_path) -> None:
+def test_tree_hash_covers_code_and_presets_only(tmp_path) -> None:
     (tmp_path / "presets").mkdir()
     (tmp_path / "a.py").write_text("x = 1\n")
     (tmp_path / "presets" / "gpt2.json").write_text('{"n_layer": 12}')
@@ -250,7 +250,7 @@ def test_r5_tree_hash_covers_code_and_presets_only(tmp_path) -> None:
     assert app.cache.tree_hash(tmp_path) not in (first, second)  # a moved file is a change too
 
 
-def test_r5_ttl_is_seven_days_and_expired_rows_leave_the_file(monkeypatch, tmp_path) -> None:
+def test_ttl_is_seven_days_and_expired_rows_leave_the_file(monkeypatch, tmp_path) -> None:
     monkeypatch.delenv("BATCHFIT_CACHE_TTL_S", raising=False)
     assert Settings().cache_ttl_s == WEEK
     path = tmp_path / "cache.sqlite"

@@ -1,4 +1,4 @@
-"""Issue 13, what a request may name (D2, R3): allow-lists for kwargs and configs, no paths or URLs anywhere.
+"""What a request may name: allow-lists for kwargs and configs, no paths or URLs anywhere.
 
 The refusals happen in ``check_request`` (before a worker sees the request) and again in the builders
 (a request built without ``parse_request``); the last test runs hostile requests through a worker's
@@ -41,9 +41,9 @@ def _refused(request: dict) -> SpecError:
     return info.value
 
 
-# --- D2: timm_wrapper reached files and the Hub -------------------------------------------------
+# --- timm_wrapper reached files and the Hub -------------------------------------------------
 
-D2 = [
+TIMM_WRAPPER = [
     ("local-dir", {"architecture": "local-dir:/some/dir"}, "model.config.architecture"),
     ("hf-hub", {"architecture": "hf-hub:timm/resnet18.a1_in1k"}, "model.config.architecture"),
     ("checkpoint_path", {"architecture": "resnet18", "model_args": {"checkpoint_path": "/any/file"}},
@@ -51,8 +51,8 @@ D2 = [
 ]
 
 
-@pytest.mark.parametrize("fields, field", [d[1:] for d in D2], ids=[d[0] for d in D2])
-def test_d2_timm_wrapper_names_only_a_timm_registry_model(fields, field) -> None:
+@pytest.mark.parametrize("fields, field", [d[1:] for d in TIMM_WRAPPER], ids=[d[0] for d in TIMM_WRAPPER])
+def test_timm_wrapper_names_only_a_timm_registry_model(fields, field) -> None:
     # main: parse_request accepted all three; building read /some/dir/config.json, asked the Hub
     # (DNS, five retries, 57 s, then LocalEntryNotFoundError: a 500), or torch.load-ed the file
     err = _refused(_wrapper(**fields))
@@ -60,7 +60,7 @@ def test_d2_timm_wrapper_names_only_a_timm_registry_model(fields, field) -> None
     assert ("timm.list_models()" in err.expected) if field.endswith("architecture") else ("shapes" in err.expected)
 
 
-def test_d2_the_builder_refuses_too_and_reads_nothing(tmp_path) -> None:
+def test_the_builder_refuses_too_and_reads_nothing(tmp_path) -> None:
     """A request validated without ``check_request`` (the library's ``EstimateRequest.model_validate``)."""
     folder = tmp_path / "model"
     folder.mkdir()
@@ -82,9 +82,9 @@ def test_timm_wrapper_with_a_registry_name_still_builds() -> None:
     assert (built.name, built.parameter_count) == ("transformers:timm_wrapper", 11_176_512 + 512 * 2 + 2)
 
 
-# --- R3: auto_map inside a list ---------------------------------------------------------------------
+# --- auto_map inside a list ---------------------------------------------------------------------
 
-R3 = [
+NESTED_AUTO_MAP = [
     ({"model_type": "gpt2", "x": [{"auto_map": {"AutoModelForCausalLM": "evil.Model"}}]}, "model.config.x[0].auto_map"),
     ({"model_type": "gpt2", "x": [[1, {"trust_remote_code": True}]]}, "model.config.x[0][1].trust_remote_code"),
     ({"model_type": "gpt2", "task_specific_params": {"a": [{"b": {"auto_map": "m.C"}}]}},
@@ -92,8 +92,8 @@ R3 = [
 ]
 
 
-@pytest.mark.parametrize("config, field", R3, ids=[r[1] for r in R3])
-def test_r3_auto_map_nested_in_a_list_is_refused(config, field) -> None:
+@pytest.mark.parametrize("config, field", NESTED_AUTO_MAP, ids=[r[1] for r in NESTED_AUTO_MAP])
+def test_auto_map_nested_in_a_list_is_refused(config, field) -> None:
     err = _refused(_hf(config))  # main: accepted (the recursion went into dicts only)
     assert err.field == field and "no remote code" in err.expected
 

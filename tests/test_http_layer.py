@@ -1,5 +1,5 @@
-"""Issue 13, the HTTP layer: R8 (a client that leaves cancels its estimate), R9 (invalid JSON and a wrong
-Content-Type named), and every non-2xx answer as application/problem+json.
+"""The HTTP layer: a client that leaves cancels its estimate, invalid JSON and a wrong Content-Type are
+named, and every non-2xx answer as application/problem+json.
 
 The cancellation tests run the service under uvicorn (a real socket, closed by the client) with one
 worker and a real estimate that takes several seconds (GPT-2 with 24 layers); they assert on what the
@@ -22,6 +22,7 @@ import pytest
 import uvicorn
 from fastapi.testclient import TestClient
 from pydantic import TypeAdapter
+from support import PROBLEM
 
 from app.cache import SingleFlight, cache_key
 from app.errors import HTTP_PROBLEMS
@@ -32,7 +33,7 @@ from estimator import EstimateRequest, EstimateResponse
 
 pytestmark = pytest.mark.service
 
-PROBLEM = "application/problem+json"
+
 SMALL = {"model": {"source": "torchvision", "name": "resnet18"}, "gpus": ["T4-16GB"],
          "planner": {"confirm": "none", "curve_points": 0}}
 # a real estimate of several seconds (tens on a loaded machine): long enough to leave in the middle of
@@ -44,7 +45,7 @@ RESPONSE = TypeAdapter(EstimateResponse)
 LEFT = 'batchfit_requests_total{route="/estimate",status="499"}'
 
 
-# --- R9: invalid JSON and the Content-Type ---------------------------------------------------------------
+# --- invalid JSON and the Content-Type ---------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def client():
@@ -147,7 +148,7 @@ def test_the_openapi_schema_lists_400_413_and_415(client) -> None:
     assert PROBLEM in responses["415"]["content"]
 
 
-# --- R8: a client that leaves -----------------------------------------------------------------------------
+# --- a client that leaves -----------------------------------------------------------------------------
 
 def test_single_flight_goes_on_while_a_caller_waits_and_stops_when_none_does() -> None:
     async def settle() -> None:
