@@ -37,8 +37,12 @@ typecheck: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/batchfit serve --host 127.0.0.1 --port 8000
 
+# The speed benches: one simulation per model, the planner on every card, cold estimates in new processes
+# (each prints ratios to a real CPU step measured in the same run).
 bench: $(STAMP)
 	$(PY) bench/simulate_speed.py
+	$(PY) bench/planner_speed.py --skip-every-card
+	$(PY) bench/cold_speed.py
 
 # The coverage sweep: every transformers causal/masked/seq2seq-LM and image-classification type and
 # 100 seeded timm names, one simulated step each; prints simulates / 422 / fails per task and the failure reasons.

@@ -1,0 +1,76 @@
+"""Cold estimates, as a scheduler meets them: each request in a new process (as a service worker answers a
+request its cache has not seen: the libraries imported, no trace of this model yet), as a ratio to one real
+CPU training step of resnet50 at batch 32 measured in this run.
+
+Prints, per case: the seconds of ``estimate`` in that process (imports excluded: a worker has them), the
+full simulations it ran, its ratio to the CPU step and the aim, and the seconds with the imports.
+
+    python bench/cold_speed.py [--only NAME]
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+from planner_speed import cpu_step_seconds
+
+LLAMA = {"source": "transformers", "preset": "llama-3-8b"}
+CASES = {
+    # name: (request, aim as a ratio to the CPU step)
+    "resnet50 on every card": ({"model": {"source": "torchvision", "name": "resnet50"}}, 0.1),
+    "llama-3-8b s2048 on 2 cards, suggestions": ({
+        "model": LLAMA, "input": {"seq_len": 2048}, "training": {"precision": "amp-bf16"},
+        "gpus": ["A100-80GB", "H100-80GB"]}, 1.5),
+    "llama-3-8b s8192, one FSDP rank of 8": ({
+        "model": LLAMA, "input": {"seq_len": 8192}, "gpus": ["H100-80GB"], "batch_size": 1,
+        "training": {"precision": "fp32", "gradient_checkpointing": "selective",
+                     "distributed": {"strategy": "fsdp", "world_size": 8, "fsdp": {"param_dtype": "bf16"}}},
+        "planner": {"suggestions": False, "curve_points": 0}}, 0.5),
+    "fasterrcnn_mobilenet_v3_large_fpn on 5 cards": ({
+        "model": {"source": "torchvision", "name": "fasterrcnn_mobilenet_v3_large_fpn"},
+        "gpus": ["T4-16GB", "L4-24GB", "A10G-24GB", "A100-40GB", "A100-80GB"]}, 5.0),
+}
+
+CHILD = """
+import json, sys, time
+t0 = time.perf_counter()
+from estimator.pipeline import estimate
+from estimator.request.parse import parse_request
+import torch, torchvision, transformers  # what a worker has imported before its first request
+t1 = time.perf_counter()
+response = estimate(parse_request(json.loads(sys.argv[1])))
+t2 = time.perf_counter()
+print(json.dumps({"estimate_s": t2 - t1, "total_s": t2 - t0, "simulations": response.provenance.simulations,
+                  "max": [r.max_batch_size for r in response.results]}))
+"""
+
+
+def cold(request: dict) -> dict:
+    """One estimate in a new process; its own timings."""
+    out = subprocess.run([sys.executable, "-c", CHILD, json.dumps(request)], capture_output=True, text=True,
+                         check=True)
+    result: dict = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def main() -> None:
+    only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None
+    t0 = time.perf_counter()
+    step = cpu_step_seconds()
+    print(f"real CPU step, resnet50 b32: {step:.2f} s (median of 3)")
+    for name, (request, aim) in CASES.items():
+        if only and only not in name:
+            continue
+        got = cold(request)
+        ratio = got["estimate_s"] / step
+        print(f"{name}: {got['estimate_s']:.1f} s, {got['simulations']} full simulations, ratio {ratio:.2f} "
+              f"(aim <= {aim}: {'met' if ratio <= aim else 'NOT met'}); with imports {got['total_s']:.1f} s; "
+              f"max {got['max']}")
+    print(f"(bench wall time {time.perf_counter() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
