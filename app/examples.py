@@ -3,7 +3,7 @@
 >>> parse_request(REQUESTS["preset"]["value"]).model.preset          # doctest: +SKIP
 'llama-3-8b'
 
-The answers are what ``POST /estimate`` returned for the requests they name (batchfit 0.5.1, torch 2.14.1, on
+The answers are what ``POST /estimate`` returned for the requests they name (batchfit 0.6.0, torch 2.14.1, on
 this repository's catalog), trimmed: each card's curve to its first two points and its last, the assumptions to
 the first three. tests/test_api_examples.py checks that every request parses, that the answers fit the response
 schema, and (sim_slow) that the FSDP answer is still what the library answers.
@@ -247,7 +247,7 @@ FSDP_ANSWER = {
     ],
     "warnings": [],
     "provenance": {
-        "batchfit": "0.5.1",
+        "batchfit": "0.6.0",
         "torch": "2.14.1",
         "catalog": "2026-12-03",
         "seconds": 23.126,
@@ -421,7 +421,7 @@ PRESET_ANSWER = {
         },
     ],
     "provenance": {
-        "batchfit": "0.5.1",
+        "batchfit": "0.6.0",
         "torch": "2.14.1",
         "catalog": "2026-12-03",
         "seconds": 15.236,

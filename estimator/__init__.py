@@ -28,7 +28,7 @@ from __future__ import annotations
 from importlib import import_module
 from typing import Any
 
-__version__ = "0.5.1"
+__version__ = "0.6.0"
 
 # name -> the module that defines it (module:name where the names differ)
 _PUBLIC = {

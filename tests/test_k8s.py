@@ -207,7 +207,7 @@ def test_mutate_a_pinned_pod(client) -> None:
     assert "env" not in shipper  # it requests no GPU
     summary = patched["metadata"]["annotations"]["batchfit.io/estimate"]
     assert summary == (f"NVIDIA-A100-SXM4-80GB: batch {plan['micro_batch']} x {plan['steps']} accumulation steps "
-                       f"(recommended {a100['recommended_batch_size']}, max {a100['max_batch_size']}); batchfit 0.5.1")
+                       f"(recommended {a100['recommended_batch_size']}, max {a100['max_batch_size']}); batchfit 0.6.0")
     # everything else is as it was
     patched["spec"]["containers"][0]["env"] = pod["spec"]["containers"][0]["env"]
     del patched["metadata"]["annotations"]["batchfit.io/estimate"]
@@ -233,7 +233,7 @@ def test_mutate_with_a_batch_replaces_existing_variables(client) -> None:
     need, room = a100["memory"]["reserved_peak_bytes"] / 2**30, usable(client, "A100-80GB") / 2**30
     assert patched["metadata"]["annotations"]["batchfit.io/estimate"] == (
         f"NVIDIA-A100-SXM4-80GB: batch 100 x {steps} accumulation steps ({need:.1f} GiB of {room:.1f} GiB usable; "
-        f"max {a100['max_batch_size']}); batchfit 0.5.1")
+        f"max {a100['max_batch_size']}); batchfit 0.6.0")
 
 
 def test_mutate_an_unpinned_pod_leaves_it_unchanged(client) -> None:

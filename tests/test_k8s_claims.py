@@ -112,7 +112,7 @@ def test_a_claim_gets_a_memory_selector_on_each_gpu_request(client, name) -> Non
         assert match and int(match.group(1)) == need
     summary = patched["metadata"]["annotations"]["batchfit.io/estimate"]
     assert summary == (f"{need}Gi per device at batch 64 (device peak {h200['memory']['device_peak_bytes'] / GI:.1f} "
-                       f"GiB on H200-141GB, the reference card, headroom 0.1, reserve 256 MiB); batchfit 0.5.1")
+                       f"GiB on H200-141GB, the reference card, headroom 0.1, reserve 256 MiB); batchfit 0.6.0")
     # everything else is as it was: the selectors and the annotation taken out, the object is the one sent
     for place in places:
         at(patched, place)["selectors"] = at(patched, place)["selectors"][:-1]

@@ -364,7 +364,7 @@ def test_deployment_serves_https_on_its_named_port() -> None:
     pod = deployment["spec"]["template"]
     container = _container(deployment)
     assert deployment["spec"]["replicas"] == 1
-    assert container["image"] == "batchfit:0.5.1" and container["imagePullPolicy"] == "IfNotPresent"
+    assert container["image"] == "batchfit:0.6.0" and container["imagePullPolicy"] == "IfNotPresent"
     (port,) = container["ports"]
     assert port == {"name": "https", "containerPort": 8443, "protocol": "TCP"}
     command = container["command"]
