@@ -169,9 +169,11 @@ class Sampled(nn.Module):
 
 
 @pytest.mark.parametrize("worst_case", [False, True])
-def test_a_distributions_validation_holds_and_its_check_is_recorded(worst_case: bool) -> None:
+def test_a_distributions_validation_holds_and_its_check_is_recorded(worst_case: bool, monkeypatch) -> None:
     """The argument and sample checks pass, as in a real run that trains, under either policy; the logits'
-    check (``value == value``: a B x WIDTH bool mask) is allocated as on the card; torch's default is kept."""
+    check (``value == value``: a B x WIDTH bool mask) is allocated as on the card; torch's default is kept.
+    (Validation on, torch's default: a process where torch._dynamo has run has it off, as TorchPatcher sets.)"""
+    monkeypatch.setattr(torch.distributions.Distribution, "_validate_args", True)
     from estimator.gpus import get_gpu
     from estimator.simulate.recipe import Recipe
     from estimator.simulate.record import record_training
