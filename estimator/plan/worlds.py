@@ -29,6 +29,7 @@ from estimator.plan.results import EstimateResponse, GPUResult, WarningCode
 from estimator.plan.search import bisect
 from estimator.plan.steps import Steps, StepSource
 from estimator.plan.strategy import headroom_card
+from estimator.replay.report import MemoryReport
 
 if TYPE_CHECKING:
     from estimator.plan.answer import SourceFor
@@ -46,6 +47,7 @@ class Worlds:
         self.strategy = strategy
         self.base = dict(base or {})
         self._steps: dict[int, Steps] = {} if first is None else {1: Steps(first, reserve_bytes)}
+        self.largest_tried: dict[str, int] = {}  # by card: the largest world a search that found none tried
 
     def steps(self, world_size: int) -> Steps:
         if world_size not in self._steps:
@@ -56,10 +58,24 @@ class Worlds:
     def fits(self, world_size: int, card: GPU, batch: int, headroom: float | None = None) -> bool:
         """``batch`` fits ``card`` over ``world_size`` ranks; with ``headroom``, within it (a batch is
         recommended there)."""
+        return self._report(world_size, card, batch, headroom).fits
+
+    def _report(self, world_size: int, card: GPU, batch: int, headroom: float | None) -> MemoryReport:
         steps = self.steps(world_size)
         if headroom is not None:
             card = headroom_card(card, steps.reserve_bytes, headroom)
-        return steps.report(batch, card).fits
+        return steps.report(batch, card)
+
+    def beyond_any_world(self, world_size: int, card: GPU, batch: int, headroom: float | None = None) -> bool:
+        """No world larger than ``world_size`` can fit: what the strategy does not shard, live at this world's
+        allocated peak, already exceeds the card (more ranks shrink only the sharded bytes: FSDP's parameters,
+        gradients and optimizer state, ZeRO-1's optimizer state; activations and buffers stay)."""
+        report = self._report(world_size, card, batch, headroom)
+        if report.capacity_bytes is None:
+            return False
+        b = report.breakdown
+        sharded = b.optimizer_state + (b.parameters + b.gradients if self.strategy == "fsdp" else 0)
+        return report.allocated_peak_bytes - sharded > report.capacity_bytes
 
     def min_world(self, card: GPU, batch: int, *, limit: int = MAX_WORLD_SIZE, least: int = 1,
                   headroom: float | None = None) -> int | None:
@@ -77,7 +93,8 @@ class Worlds:
         else:
             lo, hi = least - 1, least
         while not fits(hi):
-            if hi >= limit:
+            if hi >= limit or self.beyond_any_world(hi, card, batch, headroom):
+                self.largest_tried[card.name] = max(hi, self.largest_tried.get(card.name, 1))
                 return None
             lo, hi = hi, min(2 * hi, limit)
         # the largest world in [lo, hi) that does not fit, and one more
@@ -103,8 +120,8 @@ def answer_auto(source_for: SourceFor, source: StepSource, cards: list[GPU], opt
     recommending = [None if w is None else worlds.min_world(card, at, least=w, headroom=options.headroom)
                     for card, w in zip(cards, fitting, strict=True)]
     # a card no world fits is answered at the largest world tried (one rank for DDP, which shards nothing)
-    unfit = 1 if options.strategy == "ddp" else MAX_WORLD_SIZE
-    chosen = [rec or fit or unfit for fit, rec in zip(fitting, recommending, strict=True)]
+    chosen = [rec or fit or (1 if options.strategy == "ddp" else worlds.largest_tried.get(card.name, 1))
+              for card, fit, rec in zip(cards, fitting, recommending, strict=True)]
     groups: dict[int, list[int]] = {}
     for i, world in enumerate(chosen):
         groups.setdefault(world, []).append(i)
@@ -134,8 +151,11 @@ def answer_auto(source_for: SourceFor, source: StepSource, cards: list[GPU], opt
     for card, least in zip(cards, fitting, strict=True):
         if least is None:
             merged.drop(WarningCode.DOES_NOT_FIT, card=card.name)
+            tried = worlds.largest_tried.get(card.name, MAX_WORLD_SIZE)
             across = "on one rank: DDP keeps the whole step on every rank" if options.strategy == "ddp" else \
-                f"over {MAX_WORLD_SIZE} ranks of {options.strategy}"
+                f"over {tried} ranks of {options.strategy}" + ("" if tried >= MAX_WORLD_SIZE else
+                                                                ", nor over more: what it does not shard "
+                                                                "already exceeds the card")
             merged.add(WarningCode.DOES_NOT_FIT, f"{worlds.steps(1).model.name} does not fit "
                        f"on {card.name} at batch {at} even {across}", card=card.name, batch=at)
     return dataclasses.replace(first, results=[r for r in results if r is not None], assumptions=assumptions,
