@@ -24,6 +24,7 @@ class SearchMethod(StrEnum):
     AFFINE_CONFIRMED = "affine-confirmed"  # replays, then full simulations at max and max + 1 agree
     AFFINE = "affine"  # replays of the affine trace, its fit checked at one small batch
     FULL = "full"  # full simulations only (the step is not affine in the batch, or nothing fits)
+    PROFILE = "profile"  # replays of a portable profile's affine trace: no model code, no simulation
 
 
 @dataclass(frozen=True)
