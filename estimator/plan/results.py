@@ -14,6 +14,7 @@ from typing import Annotated, Any
 from pydantic import Field, TypeAdapter
 
 from estimator.plan.advice import AccumulationPlan, CurvePoint, LearningRate
+from estimator.plan.schedule import ScheduleStage
 from estimator.replay.report import Breakdown, MemoryAtBatch
 
 
@@ -106,6 +107,11 @@ class GPUResult:
                                                            "fewest accumulation steps that reach it at a micro-batch "
                                                            "that fits")] = None
     learning_rate: LearningRate | None = None
+    batch_schedule: Annotated[list[ScheduleStage], Field(description="with planner.batch_schedule: per stage "
+                                                         "the micro-batch x accumulation x ranks that reaches its "
+                                                         "global batch at the recommended memory, the step time "
+                                                         "and the learning rate; [] without, or when no batch is "
+                                                         "recommended")] = field(default_factory=list)
     world_size: Annotated[int, Field(description="ranks of the data-parallel step (training.distributed); the "
                                      "batch sizes above are each rank's micro-batch")] = 1
     global_batch_size: Annotated[int | None, Field(description="recommended_batch_size x world_size x "
