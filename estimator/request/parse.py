@@ -74,7 +74,7 @@ def validated(schema: type[M], data: Any) -> M:
     except ValidationError as exc:
         errors = exc.errors(include_url=False)
         if errors[0]["type"] == FIXED_ERROR:  # fields a profile fixes, named at once
-            raise describe_validation_error(errors[0]) from exc
+            raise describe_validation_error(dict(errors[0])) from exc
         # A union reports one error per branch: keep the deepest (the branch
         # the value was meant for); equally deep ones are alternatives.
         first = _path(errors[0]["loc"])
