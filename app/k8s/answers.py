@@ -180,7 +180,9 @@ class Estimates:
         request refuses (a custom card out of range) fails alone, and the others are asked without it."""
         t0 = time.perf_counter()
         try:
-            doc = request.model_dump(mode="json", by_alias=True)
+            # by profile: only the fields the pod set (the profile's own planner fills in the rest)
+            doc = request.model_dump(mode="json", by_alias=True,
+                                     exclude_unset=isinstance(request, ProfileEstimateRequest))
             doc["gpus"] = [card.entry for card, _ in cards]
             job, reserve = await self._job(doc) if isinstance(request, ProfileEstimateRequest) else \
                 _spec_job(doc)
