@@ -108,11 +108,10 @@ def profile_job(profile: PortableProfile, gpus: list[Any] | None = None, batch_s
     The planner searches nothing the profile does not hold (no suggestions, no seq_len search, unless asked:
     then it says it cannot) and confirms nothing (``confirm`` 'none')."""
     try:
-        refuse_paths(profile.request.get("model"), "request.model")
-        data = {**profile.request, "gpus": None, "batch_size": None}
-        parse_request(data, allow_local_code=True)  # the profile's own request: a bad one is the profile's fault
-    except SpecError as exc:
-        raise SpecError(f"{field}.{exc.field}", exc.value, exc.expected) from None
+        refuse_paths(profile.request.get("model"), "model")
+        parse_request({**profile.request, "gpus": None, "batch_size": None}, allow_local_code=True)
+    except SpecError as exc:  # the profile's own request: a bad one is the profile's fault
+        raise SpecError(f"{field}.request.{exc.field}", exc.value, exc.expected) from None
     data = {**profile.request, "gpus": gpus, "batch_size": batch_size}
     data["planner"] = {**data.get("planner", {}), "suggestions": False, "max_seq_len": False, **(planner or {}),
                        "confirm": ConfirmMode.NONE.value}
