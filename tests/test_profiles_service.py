@@ -341,3 +341,25 @@ def test_the_webhook_sets_a_profile_pods_batch(client, filter_profile) -> None:
     env = {e["name"]: e["value"] for e in patched["spec"]["containers"][0]["env"]}
     assert env["BATCHFIT_MAX_BATCH_SIZE"] == str(a100["max_batch_size"])
     assert patched["metadata"]["annotations"]["batchfit.io/estimate"].startswith("NVIDIA-A100-SXM4-80GB: batch ")
+
+
+def test_an_inline_profile_of_many_allocations_is_answered_as_by_id(client) -> None:
+    """A body with an inline profile may hold more items than a request's 20,000 (resnet50's has 40,000): it is
+    bounded by its size and the profile's schema instead."""
+    from test_profile_schema import profile
+
+    n = 4000  # activations of 1 KiB + 512 B per sample, each freed before the next: 4 KiB parameter first
+    wide = {"schema": 3, "const": [4096] + [1024] * n, "per_sample": [0] + [512] * n,
+            "categories": ["parameter"] + ["activation"] * n,
+            "events": [[1, 0]] + [e for i in range(1, n + 1) for e in ([1, i], [0, i])],
+            "phases": ["setup"] + ["forward"] * n, "modules": [""] + [str(i) for i in range(n)], "min_batch": 1}
+    doc = profile()
+    doc["steps"][""], doc["first_steps"][""] = wide, copy.deepcopy(wide)
+    body = json.dumps({"profile": doc, "gpus": ["T4-16GB"]})
+    assert body.count(",") + body.count(":") > 20_000
+    inline = client.post("/estimate", content=body, headers={"content-type": "application/json"})
+    assert inline.status_code == 200, inline.text
+    key = client.post("/profiles", json=doc).json()["id"]
+    by_id = client.post("/estimate", json={"profile": key, "gpus": ["T4-16GB"]})
+    assert by_id.json()["results"] == inline.json()["results"]
+    assert inline.json()["results"][0]["max_batch_size"] > 1000  # one activation live at a time: 512 B a sample
