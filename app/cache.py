@@ -1,7 +1,11 @@
 """The result cache: the normalized request + what shapes an answer (versions, the estimator's source) -> the response.
 
 SQLite (a file, the default) or Redis (``BATCHFIT_REDIS_URL``). Identical
-concurrent requests are computed once (``SingleFlight``).
+concurrent requests are computed once (``SingleFlight``). Stored profiles
+(app/profiles.py) live beside the results, in their own table or keys, under
+a budget: past ``Budget.count`` profiles or ``Budget.total_bytes`` the oldest
+stored are evicted (storing one again makes it new). They never expire
+otherwise: a pod may name one for as long as it runs.
 
 Faults degrade, never fail. A cache that cannot be read or written (a
 read-only, deleted or corrupt file; Redis down) is *degraded*: ``get``
@@ -26,6 +30,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from functools import lru_cache
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -138,16 +143,30 @@ class Cache:
     def close(self) -> None:
         self._drop()
 
+    def put_profile(self, key: str, raw: str, budget: Budget) -> bool:
+        """Store a profile (its checked canonical JSON) under ``key``, evicting the oldest past ``budget``;
+        False when the cache cannot be written now."""
+        return self._try("set", lambda: self._write_profile(key, raw, budget))[0]
+
+    def get_profile(self, key: str) -> tuple[bool, str | None]:
+        """(whether the cache answered, the stored profile's JSON or None)."""
+        answered, raw = self._try("get", lambda: self._read_profile(key))
+        return answered, raw.decode() if isinstance(raw, bytes) else raw
+
     def _attempt(self, op: str, fn: Callable[[], Any]) -> Any:
+        return self._try(op, fn)[1]
+
+    def _try(self, op: str, fn: Callable[[], Any]) -> tuple[bool, Any]:
+        """(done, ``fn()``'s result); not done while degraded (retried when due) or when it faults now."""
         if self.error is not None:
             with self._state:
                 now = self._clock()
                 if now < self._retry_at:
-                    return None  # degraded: compute without the cache
+                    return False, None  # degraded: compute without the cache
                 self._retry_at = now + self.retry_s  # one caller per period tries to recover
             if op != "open" and not self._run("open", self._open)[0]:
-                return None
-        return self._run(op, fn)[1]
+                return False, None
+        return self._run(op, fn)
 
     def _run(self, op: str, fn: Callable[[], Any]) -> tuple[bool, Any]:
         try:
@@ -186,6 +205,20 @@ class Cache:
     def _drop(self) -> None:
         raise NotImplementedError
 
+    def _write_profile(self, key: str, raw: str, budget: Budget) -> None:
+        raise NotImplementedError
+
+    def _read_profile(self, key: str) -> str | bytes | None:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How many stored profiles (``count``) and bytes of them (``total_bytes``) the cache keeps."""
+
+    count: int
+    total_bytes: int
+
 
 class Unavailable(Exception):
     """The connection was dropped after a fault (another thread's); the next retry reopens it."""
@@ -194,6 +227,7 @@ class Unavailable(Exception):
 _DECODE_FAULTS = (json.JSONDecodeError, UnicodeDecodeError)  # a stored value that is not our JSON
 _CORRUPT = (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB)
 _SCHEMA = "CREATE TABLE IF NOT EXISTS results (key TEXT PRIMARY KEY, value TEXT, created REAL)"
+_PROFILES = "CREATE TABLE IF NOT EXISTS profiles (key TEXT PRIMARY KEY, value TEXT, bytes INTEGER, created REAL)"
 
 
 class _CorruptFile(Exception):
@@ -229,6 +263,7 @@ class SQLiteCache(Cache):
         db = sqlite3.connect(self.path, check_same_thread=False, timeout=1.0)
         try:
             db.execute(_SCHEMA)
+            db.execute(_PROFILES)
             check = db.execute("PRAGMA quick_check(1)").fetchone()
             if check != ("ok",):
                 raise _CorruptFile(f"quick_check: {check}")
@@ -277,6 +312,27 @@ class SQLiteCache(Cache):
         with self._lock:
             self._write_probe(self._connection())
         return True
+
+    def _write_profile(self, key: str, raw: str, budget: Budget) -> None:
+        with self._lock:
+            db = self._connection()
+            db.execute("INSERT OR REPLACE INTO profiles VALUES (?, ?, ?, ?)", (key, raw, len(raw.encode()),
+                                                                               time.time()))
+            count, total = db.execute("SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM profiles").fetchone()
+            while count > budget.count or total > budget.total_bytes:
+                oldest = db.execute("SELECT key, bytes FROM profiles WHERE key != ? ORDER BY created, rowid LIMIT 1",
+                                    (key,)).fetchone()
+                if oldest is None:
+                    break
+                db.execute("DELETE FROM profiles WHERE key = ?", (oldest[0],))
+                count, total = count - 1, total - oldest[1]
+                logs.log("profile-evicted", cache=self.kind, id=oldest[0])
+            db.commit()
+
+    def _read_profile(self, key: str) -> str | None:
+        with self._lock:
+            row = self._connection().execute("SELECT value FROM profiles WHERE key = ?", (key,)).fetchone()
+        return None if row is None else str(row[0])
 
     @staticmethod
     def _write_probe(db: sqlite3.Connection) -> None:
@@ -330,6 +386,35 @@ class RedisCache(Cache):
 
     def _probe(self) -> bool:
         return bool(self._redis.ping())
+
+    # A profile: its JSON under batchfit:profile:<id>, its age in the sorted set batchfit:profiles (score: when
+    # stored) and its bytes in the hash batchfit:profile-bytes, so the budget is read without the values.
+    def _write_profile(self, key: str, raw: str, budget: Budget) -> None:
+        r = self._redis
+        pipe = r.pipeline()
+        pipe.set(f"batchfit:profile:{key}", raw)
+        pipe.zadd("batchfit:profiles", {key: time.time()})
+        pipe.hset("batchfit:profile-bytes", key, len(raw.encode()))
+        pipe.execute()
+        count = int(r.zcard("batchfit:profiles"))
+        total = sum(int(b) for b in r.hvals("batchfit:profile-bytes"))
+        while count > budget.count or total > budget.total_bytes:
+            oldest = [k.decode() if isinstance(k, bytes) else str(k) for k in r.zrange("batchfit:profiles", 0, 1)]
+            victim = next((k for k in oldest if k != key), None)
+            if victim is None:
+                break
+            size = int(r.hget("batchfit:profile-bytes", victim) or 0)
+            pipe = r.pipeline()
+            pipe.delete(f"batchfit:profile:{victim}")
+            pipe.zrem("batchfit:profiles", victim)
+            pipe.hdel("batchfit:profile-bytes", victim)
+            pipe.execute()
+            count, total = count - 1, total - size
+            logs.log("profile-evicted", cache=self.kind, id=victim)
+
+    def _read_profile(self, key: str) -> str | bytes | None:
+        raw: str | bytes | None = self._redis.get(f"batchfit:profile:{key}")
+        return raw
 
     def _drop(self) -> None:
         self._redis.connection_pool.disconnect()

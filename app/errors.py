@@ -23,8 +23,10 @@ from estimator.errors import (
     LimitExceeded,
     MissingExtraError,
     NoGPUError,
+    NotStored,
     SimulationError,
     SpecError,
+    StoreUnavailable,
     Unauthorized,
     WorkerDied,
 )
@@ -42,6 +44,8 @@ PROBLEMS: dict[type[BatchfitError], tuple[int, str, str]] = {
     Busy: (503, "busy", "Every worker is busy"),
     LimitExceeded: (422, "limit", "The estimate ran past a limit of the service"),
     WorkerDied: (503, "worker-died", "The estimate's worker died"),
+    NotStored: (404, "profile-not-found", "No such stored profile"),
+    StoreUnavailable: (503, "store-unavailable", "The profile store cannot be used now"),
 }
 
 
@@ -61,9 +65,12 @@ class Problem(BaseModel):
 def problem_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
     text = {400: "a body that is not valid JSON (`field` \"(body)\", `expected` names the line and column) "
                  "or cannot be decoded", 401: "missing or wrong API key",
-            413: "a body over BATCHFIT_MAX_BODY_BYTES", 415: "a body that is not application/json",
+            404: "no stored profile of that id",
+            413: "a body over BATCHFIT_MAX_BODY_BYTES (a profile's: BATCHFIT_MAX_PROFILE_BYTES)",
+            415: "a body that is not application/json",
             422: "a field batchfit cannot use, a model that cannot be simulated, "
-                 "or an estimate past the service's limits", 503: "every worker busy and the queue full (Retry-After)",
+                 "or an estimate past the service's limits",
+            503: "every worker busy and the queue full (Retry-After), or the profile store down",
             500: "a batchfit defect (never for bad input)"}
     return {c: {"model": Problem, "description": text[c], "content": {PROBLEM: {}}} for c in codes}
 
@@ -94,6 +101,8 @@ def error_problem(exc: BatchfitError, headers: dict[str, str] | None = None) -> 
         detail = f"{exc.field}: got {value!r}; expected {exc.expected}"  # the value as echoed, cut short
     elif isinstance(exc, SimulationError):
         extra = {"where": exc.where}
+    elif isinstance(exc, NotStored):
+        extra = {"field": exc.field, "value": _safe(exc.value)}
     elif isinstance(exc, LimitExceeded):
         kind = f"{exc.limit}-limit"
     return problem(status, kind, title, detail[:2000], headers, **extra)

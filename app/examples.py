@@ -137,6 +137,7 @@ FSDP_ANSWER = {
             "max_seq_len": None,
             "accumulation": None,
             "learning_rate": None,
+            "batch_schedule": [],
             "world_size": 8,
             "global_batch_size": 104,
             "min_world_size": None,
@@ -207,6 +208,7 @@ FSDP_ANSWER = {
             "max_seq_len": None,
             "accumulation": None,
             "learning_rate": None,
+            "batch_schedule": [],
             "world_size": 8,
             "global_batch_size": 112,
             "min_world_size": None,
@@ -321,6 +323,7 @@ PRESET_ANSWER = {
             "max_seq_len": None,
             "accumulation": None,
             "learning_rate": None,
+            "batch_schedule": [],
             "world_size": 1,
             "global_batch_size": 16,
             "min_world_size": None,
@@ -383,6 +386,7 @@ PRESET_ANSWER = {
             "max_seq_len": None,
             "accumulation": None,
             "learning_rate": None,
+            "batch_schedule": [],
             "world_size": 1,
             "global_batch_size": None,
             "min_world_size": None,
@@ -441,13 +445,13 @@ ANSWERED = {"fsdp-8": FSDP, "preset": PRESET}  # the request each answer answers
 
 def add_examples(schema: dict[str, Any]) -> dict[str, Any]:
     """``schema`` (FastAPI's OpenAPI document) with the examples: the requests on every route whose body is an
-    ``EstimateRequest``, the answers on ``POST /estimate``'s 200. Added after FastAPI builds the document, which
-    drops every null (an answer's ``"max_batch_size": null`` is what it says)."""
+    ``EstimateRequest`` (or may be one), the answers on ``POST /estimate``'s 200. Added after FastAPI builds the
+    document, which drops every null (an answer's ``"max_batch_size": null`` is what it says)."""
     request = {"$ref": "#/components/schemas/EstimateRequest"}
     for path in schema.get("paths", {}).values():
         body = path.get("post", {}).get("requestBody", {}).get("content", {}).get("application/json")
-        if body is not None and body.get("schema") == request:
-            body["examples"] = REQUESTS
+        if body is not None and (body.get("schema") == request or request in body.get("schema", {}).get("oneOf", [])):
+            body["examples"] = REQUESTS  # POST /estimate's body is one of a request and a request by profile
     ok = schema["paths"]["/estimate"]["post"]["responses"]["200"]["content"]["application/json"]
     ok["examples"] = RESPONSES
     return schema

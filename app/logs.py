@@ -28,3 +28,8 @@ def setup() -> None:
 
 def log(msg: str, **fields) -> None:
     logger.info(msg, extra={"fields": fields})
+
+
+def warn(msg: str, **fields) -> None:
+    """An event someone should look at (the service went on without what it was asked for)."""
+    logger.warning(msg, extra={"fields": fields})

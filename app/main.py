@@ -41,6 +41,8 @@ from app.k8s.routes import router as k8s_router
 from app.metrics import Metrics
 from app.page import add_page
 from app.pool import Pool
+from app.profiles import ProfileStore
+from app.profiles import router as profiles_router
 from app.routes import router
 from app.settings import Settings, get_settings
 from estimator import __version__
@@ -49,9 +51,11 @@ from estimator.errors import BatchfitError, Unauthorized
 OPEN = {"/healthz", "/readyz", "/"}  # without a key even when keys are set (the page: app/page.py says why)
 STATIC = "/static"  # the page's and the docs' files (app/page.py, app/docs.py): public, open like the page
 K8S = {"/k8s/filter", "/k8s/prioritize", "/k8s/mutate"}  # without a key with BATCHFIT_K8S_WITHOUT_KEY
-JSON_BODY = {"/estimate", "/timeline", "/snapshot", *K8S}  # the routes that take a body: application/json, else 415
+PROFILES = "/profiles"  # POST a profile; GET and HEAD /profiles/{id} (app/profiles.py)
+# the routes that take a body: application/json, else 415
+JSON_BODY = {"/estimate", "/timeline", "/snapshot", PROFILES, *K8S}
 ROUTES = {"/estimate", "/timeline", "/snapshot", "/gpus", "/models", "/healthz", "/readyz", "/metrics", "/docs",
-          "/redoc", "/openapi.json", "/", STATIC, *K8S}
+          "/redoc", "/openapi.json", "/", STATIC, PROFILES, PROFILES + "/{id}", *K8S}
 
 
 def __getattr__(name: str) -> Any:
@@ -71,6 +75,7 @@ def create_app(settings: Settings | None = None, *, start_workers: bool = True) 
         source_hash()  # part of every cache key: read the estimator's files now, not on the first request
         errors = app.state.metrics.cache_errors
         app.state.cache = open_cache(settings, on_error=lambda op: errors.labels(op).inc())  # degraded, never fails
+        app.state.profiles = ProfileStore(app.state.cache, settings)
         app.state.pool = Pool(settings)
         if start_workers:
             await app.state.pool.start()
@@ -89,6 +94,7 @@ def create_app(settings: Settings | None = None, *, start_workers: bool = True) 
     app.state.flights = SingleFlight()
     app.state.gpu_lock = asyncio.Lock()  # one validation at a time on this node's GPU
     app.state.cache = None
+    app.state.profiles = ProfileStore(None, settings)  # the lifespan's, in the cache, replaces it
     app.state.pool = None
     app.state.k8s = Estimates(app)
     app.add_exception_handler(BatchfitError, on_batchfit_error)
@@ -107,7 +113,7 @@ def create_app(settings: Settings | None = None, *, start_workers: bool = True) 
             except Unauthorized as exc:
                 denied = error_problem(exc, headers={"WWW-Authenticate": "Bearer"})
                 return _finish(app, denied, route, rid, t0)
-        limit = settings.k8s_max_body_bytes if route in K8S else settings.max_body_bytes
+        limit = _body_limit(route, settings)
         declared = request.headers.get("content-length")
         streamed = None
         if declared is not None:
@@ -128,6 +134,7 @@ def create_app(settings: Settings | None = None, *, start_workers: bool = True) 
         return _finish(app, response, route, rid, t0)
 
     app.include_router(router)
+    app.include_router(profiles_router)
     app.include_router(k8s_router)
     _with_examples(app)
     add_docs(app)  # /docs and /redoc with their assets from this service, not a CDN
@@ -147,6 +154,20 @@ def _with_examples(app: FastAPI) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
+def _body_limit(route: str, settings: Settings) -> int:
+    """BATCHFIT_K8S_MAX_BODY_BYTES on the /k8s/ routes, BATCHFIT_MAX_PROFILE_BYTES on POST /profiles, else
+    BATCHFIT_MAX_BODY_BYTES (an inline profile on /estimate too: a larger one goes by id)."""
+    if route in K8S:
+        return settings.k8s_max_body_bytes
+    return settings.max_profile_bytes if route == PROFILES else settings.max_body_bytes
+
+
+def _setting(route: str) -> str:
+    if route in K8S:
+        return "BATCHFIT_K8S_MAX_BODY_BYTES"
+    return "BATCHFIT_MAX_PROFILE_BYTES" if route == PROFILES else "BATCHFIT_MAX_BODY_BYTES"
+
+
 def _open(route: str, settings: Settings) -> bool:
     """Whether ``route`` answers without a key when keys are set (without keys every route does, /docs too)."""
     return route in OPEN or route.startswith(STATIC + "/") or (route in K8S and settings.k8s_without_key)
@@ -156,6 +177,8 @@ def _label(route: str) -> str:
     """``route`` as a metrics label: one of ``ROUTES`` (every file under /static counts as ``/static``)."""
     if route.startswith(STATIC + "/"):
         return STATIC
+    if route.startswith(PROFILES + "/"):
+        return PROFILES + "/{id}"
     return route if route in ROUTES else "(other)"  # bounded label values
 
 
@@ -171,11 +194,9 @@ def _is_json(content_type: str | None) -> bool:
 
 
 def _body_too_large(what: str, limit: int, route: str) -> Response:
-    """413, before the body is read when its Content-Length says so (BATCHFIT_MAX_BODY_BYTES, or
-    BATCHFIT_K8S_MAX_BODY_BYTES on the /k8s/ routes)."""
+    """413, before the body is read when its Content-Length says so (``_body_limit``)."""
     kind, title = HTTP_PROBLEMS[413]
-    setting = "BATCHFIT_K8S_MAX_BODY_BYTES" if route in K8S else "BATCHFIT_MAX_BODY_BYTES"
-    return problem(413, kind, title, f"{what}; the service takes at most {limit} ({setting})")
+    return problem(413, kind, title, f"{what}; the service takes at most {limit} ({_setting(route)})")
 
 
 class _LimitedBody:

@@ -29,9 +29,10 @@ class Metrics:
                                            registry=self.registry)
 
         self.k8s_calls = Counter("batchfit_k8s_calls_total", "Kubernetes calls by verb and outcome: not-opted-in "
-                                 "(no batchfit.io/spec), answered, late (an estimate past the deadline: its nodes "
-                                 "held, or passed with BATCHFIT_K8S_WHEN_LATE=pass; the estimate goes on for the "
-                                 "retry), error (the pod passed)",
+                                 "(no batchfit.io/spec or batchfit.io/profile, or a profile not stored), answered, "
+                                 "late (an estimate past the deadline: its nodes held, or passed with "
+                                 "BATCHFIT_K8S_WHEN_LATE=pass; the estimate goes on for the retry), error (the pod "
+                                 "passed)",
                                  ["verb", "outcome"], registry=self.registry)
         self.k8s_late = Counter("batchfit_k8s_late_total", "Kubernetes calls answered at the deadline without an "
                                 "estimate that was still running", ["verb"], registry=self.registry)
@@ -45,8 +46,13 @@ class Metrics:
         self.k8s_hold_wait = Histogram("batchfit_k8s_hold_wait_seconds", "from a pod's first hold on a card to the "
                                        "filter call that answered it for that card", ["card"],
                                        buckets=(1, 2, 5, 10, 20, 40, 80, 160, 320, 640, 1280), registry=self.registry)
+        self.k8s_profile_missing = Counter("batchfit_k8s_profile_missing_total", "Kubernetes calls for a pod whose "
+                                           "batchfit.io/profile the service does not have (never stored, evicted, or "
+                                           "the store down): the pod is treated as not opted in", ["verb"],
+                                           registry=self.registry)
         for verb in ("filter", "prioritize", "mutate"):
             self.k8s_late.labels(verb)
+            self.k8s_profile_missing.labels(verb)
             for outcome in ("not-opted-in", "answered", "late", "error"):
                 self.k8s_calls.labels(verb, outcome)
 

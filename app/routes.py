@@ -1,4 +1,5 @@
-"""The routes: POST /estimate, /timeline, /snapshot, GET /gpus, /models, /healthz, /readyz, /metrics."""
+"""The routes: POST /estimate (by a model or a profile), /timeline, /snapshot, GET /gpus, /models, /healthz,
+/readyz, /metrics (app/profiles.py: /profiles)."""
 
 from __future__ import annotations
 
@@ -18,10 +19,20 @@ from app import logs
 from app.cache import cache_key
 from app.errors import HTTP_PROBLEMS, error_problem, problem, problem_responses
 from app.pool import Heard
-from app.shape import check_shape
+from app.profiles import checked_profile
+from app.shape import MAX_ITEMS, check_shape
 from app.stream import estimate_events, wants_events
-from app.worker import JobKind, Reply, ReplyKind
-from estimator import EstimateRequest, EstimateResponse, Timeline, catalog, check_request
+from app.worker import JobKind, ProfileJob, Reply, ReplyKind
+from estimator import (
+    EstimateBody,
+    EstimateRequest,
+    EstimateResponse,
+    ProfileEstimateRequest,
+    Timeline,
+    catalog,
+    check_request,
+    profile_id,
+)
 from estimator.errors import BatchfitError, Busy, LimitExceeded, SpecError, WorkerDied
 
 
@@ -35,10 +46,13 @@ class ShapeCheckedRoute(APIRoute):
         async def checked(request: Request) -> Response:
             if request.method == "POST":
                 body = await request.body()  # kept on the request: FastAPI parses these same bytes
+                # An inline profile is arrays of thousands of numbers (resnet50's: 40,000 items): a body that
+                # may hold one is bounded by its size (under BATCHFIT_MAX_BODY_BYTES) and the profile's schema.
+                items = len(body) // 2 + 1 if b'"profile"' in body else MAX_ITEMS
                 if len(body) > 2**16:  # the GIL is handed back to the event loop every few ms meanwhile
-                    await asyncio.to_thread(check_shape, body)
+                    await asyncio.to_thread(check_shape, body, max(items, MAX_ITEMS))
                 else:
-                    check_shape(body)
+                    check_shape(body, max(items, MAX_ITEMS))
             return await handler(request)
 
         return checked
@@ -53,12 +67,14 @@ SNAPSHOT: dict[int | str, dict[str, Any]] = {200: {"content": {"application/octe
                                  "https://pytorch.org/memory_viz), as an attachment named step.pickle"}}
 
 
-@router.post("/estimate", response_model=EstimateResponse, responses=ERRORS,
-             summary="Max batch and memory per GPU for a training job")
-async def post_estimate(request: Request, body: EstimateRequest) -> Any:
+@router.post("/estimate", response_model=EstimateResponse, responses={**ERRORS, **problem_responses(404)},
+             summary="Max batch and memory per GPU for a training job (its model, or its stored profile)")
+async def post_estimate(request: Request, body: EstimateBody) -> Any:
     # FastAPI parsed the body against the schema, once; check_request adds the rules it cannot express
     # (no local code over HTTP, a transformers model names a preset or a config). BatchfitErrors raised
     # here are rendered by app.errors.on_batchfit_error. The worker gets the parsed request itself.
+    if isinstance(body, ProfileEstimateRequest):
+        return await _by_profile(request, body)
     check_request(body, allow_local_code=False)
     if body.validate_step:
         return await _validate(request, body)
@@ -69,6 +85,37 @@ async def post_estimate(request: Request, body: EstimateRequest) -> Any:
         return answered
     payload, cache = answered
     return JSONResponse(payload, headers={"X-Batchfit-Cache": cache})
+
+
+async def _by_profile(request: Request, body: ProfileEstimateRequest) -> Any:
+    """An estimate from a stored profile (by id: 404 when the store has none) or an inline one (checked here:
+    a bad one is a 422, as when it is stored); never built, never simulated."""
+    job = await profile_job_of(request.app, body)
+    if wants_events(request):
+        return await estimate_events(request, job)
+    answered = await _pooled(request, job, JobKind.ESTIMATE)
+    if isinstance(answered, Response):
+        return answered
+    payload, cache = answered
+    return JSONResponse(payload, headers={"X-Batchfit-Cache": cache})
+
+
+async def profile_job_of(app: Any, body: ProfileEstimateRequest) -> ProfileJob:
+    """The worker's job for ``body``: the profile fetched from the store or checked inline, and the options."""
+    if isinstance(body.profile, str):
+        doc = await app.state.profiles.get(body.profile)
+        key = body.profile
+    else:
+        doc = await checked_profile(body.profile)
+        key = await asyncio.to_thread(profile_id, doc)
+    return ProfileJob(key, doc, body.options())
+
+
+def job_key(body: EstimateRequest | ProfileJob, kind: JobKind) -> str:
+    """The cache key of what ``kind`` answers to a job: a request's, or a profile's by its id and options."""
+    if isinstance(body, ProfileJob):
+        return cache_key({"by-profile": body.key_doc()}, kind)
+    return cache_key(body.model_dump(mode="json"), kind)
 
 
 @router.post("/timeline", response_model=Timeline, responses=ERRORS,
@@ -102,11 +149,11 @@ def _check_view(body: EstimateRequest) -> None:
                                           "with validate measures one on a GPU)")
 
 
-async def _pooled(request: Request, body: EstimateRequest, kind: JobKind) -> tuple[Any, str] | Response:
+async def _pooled(request: Request, body: EstimateRequest | ProfileJob, kind: JobKind) -> tuple[Any, str] | Response:
     """What a worker answers to ``body`` as ``kind`` asks, from the cache when it holds it: (the payload,
     ``"hit"`` or ``"miss"``), or the problem to answer instead. Identical concurrent requests share one job."""
     app = request.app
-    key = cache_key(body.model_dump(mode="json"), kind)
+    key = job_key(body, kind)
     hit = await asyncio.to_thread(app.state.cache.get, key) if app.state.cache else None  # off the event loop
     known = None if hit is None else _from_cache(kind, hit)
     if known is not None:
@@ -212,7 +259,7 @@ def _client_left() -> JSONResponse:
                                      "was cancelled unless an identical request still waits for it")
 
 
-async def run_in_pool(app: Any, body: EstimateRequest, kind: JobKind = JobKind.ESTIMATE,
+async def run_in_pool(app: Any, body: EstimateRequest | ProfileJob, kind: JobKind = JobKind.ESTIMATE,
                       progress: Heard | None = None) -> Reply:
     """Run the job ``kind`` asks of ``body`` in a worker, with the metrics; ``Refused`` when busy or past a limit.
     ``progress`` hears each full simulation (in a pool thread)."""

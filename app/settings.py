@@ -31,6 +31,12 @@ class Settings(BaseSettings):
     cache_ttl_s: int = Field(7 * 24 * 3600, ge=0, description="cached answers expire after this (7 days); 0: never")
     cache_retry_s: float = Field(5.0, ge=0, description="a degraded cache (a broken file, Redis down) is "
                                  "tried again at most this often")
+    max_profile_bytes: int = Field(16 * 2**20, ge=1024, le=2**30, description="POST /profiles: a larger profile "
+                                   "gets 413, unread (a resnet50 profile is 0.3 MiB)")
+    profile_budget_count: int = Field(10_000, ge=1, description="stored profiles kept; past it the oldest stored "
+                                      "are evicted")
+    profile_budget_bytes: int = Field(2**31, ge=1024, description="bytes of stored profiles kept; past it the "
+                                      "oldest stored are evicted")
     api_keys: str = Field("", description="comma-separated keys; empty: no auth")
     retry_after_s: int = Field(5, ge=1, description="Retry-After when the queue is full")
     max_body_bytes: int = Field(2**20, ge=1024, le=2**30, description="larger request bodies get 413, unread")

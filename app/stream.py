@@ -24,8 +24,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from app.cache import cache_key
-from app.worker import JobKind, ReplyKind
+from app.worker import JobKind, ProfileJob, ReplyKind
 from estimator import EstimateRequest, job_of
 
 KEEP_ALIVE_S = 15.0
@@ -44,13 +43,15 @@ def _problem(response: JSONResponse) -> dict[str, Any]:
     return {"status": response.status_code, **doc}
 
 
-async def estimate_events(request: Request, body: EstimateRequest) -> StreamingResponse:
-    """The stream of one estimate (the body already checked, as ``POST /estimate`` checks it)."""
-    from app.routes import Refused, reply_problem, run_in_pool
+async def estimate_events(request: Request, body: EstimateRequest | ProfileJob) -> StreamingResponse:
+    """The stream of one estimate (the body already checked, as ``POST /estimate`` checks it; a profile's has
+    no progress: it simulates nothing)."""
+    from app.routes import Refused, job_key, reply_problem, run_in_pool
 
-    job_of(body)  # its cards too: what can be refused without a worker is refused before the stream
+    if isinstance(body, EstimateRequest):
+        job_of(body)  # its cards too: what can be refused without a worker is refused before the stream
     app = request.app
-    key = cache_key(body.model_dump(mode="json"), JobKind.ESTIMATE)
+    key = job_key(body, JobKind.ESTIMATE)
     known = await asyncio.to_thread(app.state.cache.get, key) if app.state.cache else None
     loop = asyncio.get_running_loop()
     heard: asyncio.Queue[dict[str, Any]] = asyncio.Queue()

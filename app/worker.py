@@ -1,7 +1,8 @@
 """The worker process side of the pool: one estimate at a time, never crashing the parent.
 
 Each worker imports torch once (warm) and answers ``(job_id, kind, request)``
-messages (a ``JobKind`` and an ``EstimateRequest`` the service parsed, sent pickled) with a ``Reply``:
+messages (a ``JobKind`` and an ``EstimateRequest`` the service parsed, or a ``ProfileJob``, sent pickled) with
+a ``Reply``:
 
 - ``OK``: what the job's kind asks for: ``ESTIMATE``, the response's JSON (docs/API.md), with ``validation``
   when the request asked for one; ``TIMELINE``, the first card's step's timeline as JSON; ``SNAPSHOT``, that
@@ -48,6 +49,20 @@ class Progress:
     note: str
 
 
+@dataclass(frozen=True)
+class ProfileJob:
+    """``POST /estimate`` by profile, as a worker takes it: the profile (checked by the route, checked again
+    here), its id, and what the answer varies (``gpus``, ``batch_size``, the ``planner`` fields set)."""
+
+    profile_id: str
+    profile: dict[str, Any]
+    options: dict[str, Any]
+
+    def key_doc(self) -> dict[str, Any]:
+        """What the answer depends on, for its cache key: the profile by id, and the options."""
+        return {"profile": self.profile_id, **self.options}
+
+
 class ReplyKind(StrEnum):
     OK = "ok"
     ERROR = "error"
@@ -85,9 +100,9 @@ def serve(conn: Connection) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     from estimator import (
-        check_request,
+        check_profile,
         estimate,
-        parse_request,
+        estimate_from_profile,
         snapshot,
         timeline,
         to_json,
@@ -105,13 +120,14 @@ def serve(conn: Connection) -> None:
             return
         job_id, kind, body = message
         try:
-            request = (check_request(body, allow_local_code=False) if isinstance(body, EstimateRequest)
-                       else parse_request(body, allow_local_code=False))
-            if kind == JobKind.TIMELINE:
-                reply = Reply(job_id, ReplyKind.OK, dataclasses.asdict(timeline(request)))
+            if isinstance(body, ProfileJob):  # answered from the profile's traces: no model, no simulation
+                profile = check_profile(body.profile)
+                reply = Reply(job_id, ReplyKind.OK, to_json(estimate_from_profile(profile, **body.options)))
+            elif kind == JobKind.TIMELINE:
+                reply = Reply(job_id, ReplyKind.OK, dataclasses.asdict(timeline(_checked(body))))
             elif kind == JobKind.SNAPSHOT:
-                reply = Reply(job_id, ReplyKind.OK, pickle.dumps(snapshot(request)))
-            elif request.validate_step:
+                reply = Reply(job_id, ReplyKind.OK, pickle.dumps(snapshot(_checked(body))))
+            elif (request := _checked(body)).validate_step:
                 response, validation = validate_on_gpu(request)
                 reply = Reply(job_id, ReplyKind.OK, {**to_json(response), "validation": validation_json(validation)})
             else:
@@ -124,6 +140,15 @@ def serve(conn: Connection) -> None:
         except Exception as exc:  # noqa: BLE001 - reported to the caller, the worker lives on
             reply = Reply(job_id, ReplyKind.INTERNAL, f"{type(exc).__name__}: {exc}")
         conn.send(reply)
+
+
+def _checked(body: Any) -> Any:
+    """The request a job carries, checked here as in the route: data only, no local code."""
+    from estimator import check_request, parse_request
+
+    if isinstance(body, EstimateRequest):
+        return check_request(body, allow_local_code=False)
+    return parse_request(body, allow_local_code=False)
 
 
 def _progress(conn: Connection, job_id: int) -> Any:

@@ -13,7 +13,9 @@
         ├── Unauthorized       no API key, or a wrong one
         ├── Busy               every worker busy and the queue full
         ├── WorkerDied         the worker running an estimate died (a signal, the OOM killer, a crash)
-        └── LimitExceeded      an estimate ran past a limit of the service (carries ``limit``)
+        ├── LimitExceeded      an estimate ran past a limit of the service (carries ``limit``)
+        ├── NotStored          a stored profile the service does not have (carries ``field``, ``value``)
+        └── StoreUnavailable   the profile store cannot be read or written now
 
 Foreign exceptions are translated at one seam (``estimator.simulate.record``)
 with ``raise ... from exc``; callers never match message text. Each error
@@ -159,3 +161,22 @@ class LimitExceeded(ServiceError):
 
     def fields(self) -> dict[str, Any]:
         return {"limit": self.limit, "message": str(self)}
+
+
+class NotStored(ServiceError):
+    """A profile id the service does not have (never stored, or evicted): ``field`` names where it came from.
+
+    >>> str(NotStored("profile", "sha256:00"))
+    "profile: no stored profile 'sha256:00' (POST /profiles it first: it may have been evicted)"
+    """
+
+    def __init__(self, field: str, value: str) -> None:
+        self.field, self.value = field, value
+        super().__init__(f"{field}: no stored profile {value!r} (POST /profiles it first: it may have been evicted)")
+
+    def fields(self) -> dict[str, Any]:
+        return {"field": self.field, "value": self.value}
+
+
+class StoreUnavailable(ServiceError):
+    """The profile store (the service's cache backend) cannot be read or written now; retry later."""

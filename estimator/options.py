@@ -31,6 +31,8 @@ MAX_WORLD_SIZE = 1024
 # A base learning rate above 10 is no recipe's; the bound keeps the scaled LR (base_lr x global batch /
 # base_batch, the ratio at most 2^36) finite, where base_lr 1e308 made it inf (answered as null).
 MAX_BASE_LR = 10.0
+MAX_STAGES = 64  # stages of a batch-size schedule
+MAX_GLOBAL_BATCH = 2**30
 MAX_JSON_DEPTH = 32  # nesting of a request's free-form JSON (model kwargs, an inline config)
 
 # --- the planner's defaults ----------------------------------------------------------------------
@@ -76,6 +78,8 @@ class AdviceOptions:
     base_lr: float | None = None
     base_batch: int | None = None
     seq_len: int | None = None  # tokens per sample, as the model was built (the planner sets it)
+    batch_schedule: tuple[int, ...] = ()  # global batches, one per stage (estimator/plan/schedule.py)
+    accumulation: int = 1  # training.grad_accumulation_steps: the micro-batches of one simulated step
 
     @property
     def low_precision(self) -> bool:

@@ -35,7 +35,7 @@ from estimator.replay.snapshot import snapshot_of
 from estimator.replay.timeline import Timeline, timeline_of
 from estimator.replay.view import StepView, view_of
 from estimator.request.adapt import Job, job_of, with_changes, with_planner
-from estimator.request.parse import parse_request
+from estimator.request.profile import profile_job
 from estimator.request.spec import EstimateRequest
 from estimator.simulate.memory import estimate_memory  # noqa: F401  (estimator.pipeline.estimate_memory, as before)
 from estimator.simulate.source import Progress, Simulator
@@ -93,11 +93,10 @@ def make_profile(request: EstimateRequest, *, built: BuiltModel | None = None,
 
 def estimate_from_profile(profile: PortableProfile, gpus: list[Any] | None = None, batch_size: int | None = None,
                           planner: dict[str, Any] | None = None) -> EstimateResponse:
-    """Answer from a profile alone: the same numbers as ``estimate(..., confirm='none')`` on the spec."""
+    """Answer from a profile alone: the same numbers as ``estimate(..., confirm='none')`` on the spec, each
+    card's ``search.method`` 'profile'; ``planner``: fields over the profile's own planner section."""
     t0 = time.perf_counter()
-    data = {**profile.request, "gpus": gpus, "batch_size": batch_size}
-    data["planner"] = {**data.get("planner", {}), **(planner or {}), "confirm": ConfirmMode.NONE.value}
-    job = job_of(parse_request(data, allow_local_code=True))  # never built: a profile's model is only a label
+    job = profile_job(profile, gpus, batch_size, planner)  # never built: a profile's model is only a label
     return answer(ProfileReplayer(profile), job.cards, job.plan, started=t0)
 
 
@@ -127,7 +126,7 @@ def profile_view(profile: PortableProfile, gpus: list[Any] | None = None, batch_
                  response: EstimateResponse | None = None) -> StepView:
     """``step_view`` of a profile's step on the first of ``gpus`` (the catalog's first without), synthesized."""
     first = (response or estimate_from_profile(profile, gpus, batch_size)).results[0]
-    job = job_of(parse_request({**profile.request, "gpus": gpus}, allow_local_code=True))
+    job = profile_job(profile, gpus)
     batch, card = batch_size or view_batch(first), job.cards[0]
     return view_of(ProfileReplayer(profile).step(batch, card), batch, card, job.plan.reserve_bytes)
 

@@ -29,12 +29,16 @@ from app.cache import cache_key
 from app.k8s.cards import Card
 from app.k8s.cluster import ClusterCards
 from app.k8s.holds import Holds
+from app.k8s.pods import PROFILE, TrainingPod, mapping
 from app.routes import Refused, run_in_pool
-from app.worker import ReplyKind
-from estimator import EstimateRequest, parse_request
-from estimator.errors import BatchfitError, LimitExceeded, SpecError
+from app.worker import ProfileJob, ReplyKind
+from estimator import EstimateRequest, ProfileEstimateRequest, parse_profile_request, parse_request
+from estimator.errors import BatchfitError, LimitExceeded, NotStored, SpecError, StoreUnavailable
 from estimator.gpus import shortfall
+from estimator.options import DEFAULT_RESERVE_BYTES
 
+MISSING_PROFILE = ("not changed: the service has no profile of the batchfit.io/profile annotation (never stored, "
+                   "evicted, or the store down): push it with `batchfit profile push FILE --url URL`")
 MEMORY_ENTRIES = 4096  # answers kept in this process besides the service's cache (which may be off)
 FAILURE_TTL_S = 300.0
 
@@ -103,7 +107,7 @@ class Estimates:
         self._pending: dict[str, asyncio.Task[Found]] = {}
         self._tasks: set[asyncio.Task[Found]] = set()
 
-    async def answers(self, request: EstimateRequest, cards: Iterable[Card], deadline: float,
+    async def answers(self, request: EstimateRequest | ProfileEstimateRequest, cards: Iterable[Card], deadline: float,
                       verb: str) -> tuple[Found, bool]:
         """Per ``Card.key``, the answer (or failure) of each card that has one by ``deadline`` (the event loop's
         clock); and whether some card had none by then (its job goes on in the background)."""
@@ -125,12 +129,12 @@ class Estimates:
             self.app.state.metrics.k8s_late.labels(verb).inc()
         return found, late
 
-    async def start(self, request: EstimateRequest, cards: Iterable[Card]) -> list[Card]:
+    async def start(self, request: EstimateRequest | ProfileEstimateRequest, cards: Iterable[Card]) -> list[Card]:
         """Start the estimate of the cards that have no answer and none running, without waiting for it
         (the webhook, for the scheduler's calls to come); the cards it started."""
         return (await self._begin(request, cards)).started
 
-    async def _begin(self, request: EstimateRequest, cards: Iterable[Card]) -> Begun:
+    async def _begin(self, request: EstimateRequest | ProfileEstimateRequest, cards: Iterable[Card]) -> Begun:
         """The answers known now, and a job started for the cards that have none and none running."""
         unique = {card.key: card for card in cards}
         keys = {name: card_key(request, card) for name, card in unique.items()}
@@ -154,7 +158,8 @@ class Estimates:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    def _start(self, request: EstimateRequest, cards: list[tuple[Card, str]]) -> asyncio.Task[Found]:
+    def _start(self, request: EstimateRequest | ProfileEstimateRequest,
+               cards: list[tuple[Card, str]]) -> asyncio.Task[Found]:
         task = asyncio.ensure_future(self._compute(request, cards))
         self.app.state.metrics.k8s_estimates.inc()
         self._tasks.add(task)
@@ -170,14 +175,19 @@ class Estimates:
         task.add_done_callback(done)
         return task
 
-    async def _compute(self, request: EstimateRequest, cards: list[tuple[Card, str]]) -> Found:
+    async def _compute(self, request: EstimateRequest | ProfileEstimateRequest, cards: list[tuple[Card, str]]) -> Found:
         """One worker job for ``cards``; every answer stored; never raises (a failure is an answer). A card the
         request refuses (a custom card out of range) fails alone, and the others are asked without it."""
         t0 = time.perf_counter()
         try:
-            doc = request.model_dump(mode="json", by_alias=True)
+            # by profile: only the fields the pod set (the profile's own planner fills in the rest)
+            doc = request.model_dump(mode="json", by_alias=True,
+                                     exclude_unset=isinstance(request, ProfileEstimateRequest))
             doc["gpus"] = [card.entry for card, _ in cards]
-            job = parse_request(doc, allow_local_code=False)
+            job, reserve = await self._job(doc) if isinstance(request, ProfileEstimateRequest) else \
+                _spec_job(doc)
+        except (NotStored, StoreUnavailable) as exc:  # evicted since the call began, or the store is down
+            return self._failed(cards, Failure(str(exc), transient=True))
         except SpecError as exc:
             bad = _card_index(exc.field, len(cards))
             if bad is None:
@@ -200,11 +210,39 @@ class Estimates:
             return self._failed(cards, Failure(message))
         out: Found = {}
         for (card, key), result in zip(cards, reply.payload["results"], strict=True):
-            value = {"result": result, "usable_bytes": card.gpu.usable_bytes(job.planner.reserve_bytes)}
+            value = {"result": result, "usable_bytes": card.gpu.usable_bytes(reserve)}
             await self._store(key, value)
             out[key] = _answer(card, value)
         logs.log("k8s-estimate", cards=[card.label for card, _ in cards], seconds=round(time.perf_counter() - t0, 3))
         return out
+
+    async def _job(self, doc: dict[str, Any]) -> tuple[ProfileJob, int]:
+        """The worker's job of a request by profile (the profile from the store) and its reserve: the request's
+        planner's, else the profile's own."""
+        request = parse_profile_request(doc)
+        assert isinstance(request.profile, str)  # a pod names a profile by id
+        profile = await self.app.state.profiles.get(request.profile, f"annotations[{PROFILE}]")
+        options = request.options()
+        reserve = options["planner"].get("reserve_bytes",
+                                         mapping(mapping(profile.get("request")).get("planner")).get(
+                                             "reserve_bytes", DEFAULT_RESERVE_BYTES))
+        return ProfileJob(request.profile, profile, options), int(reserve)
+
+    async def profile_known(self, training: TrainingPod, verb: str) -> bool:
+        """False, with a logged warning and ``batchfit_k8s_profile_missing_total``, when the pod names a profile
+        the service does not have (or cannot read now): the pod is then treated as not opted in."""
+        request = training.request
+        if not isinstance(request, ProfileEstimateRequest) or not isinstance(request.profile, str):
+            return True
+        try:
+            await self.app.state.profiles.raw(request.profile, f"annotations[{PROFILE}]")
+            return True
+        except (NotStored, StoreUnavailable) as exc:
+            logs.warn("k8s-profile-missing", verb=verb, pod=training.name, profile=request.profile,
+                     error=str(exc))
+            self.app.state.metrics.k8s_profile_missing.labels(verb).inc()
+            self.app.state.metrics.k8s_calls.labels(verb, "not-opted-in").inc()
+            return False
 
     def _failed(self, cards: list[tuple[Card, str]], failure: Failure) -> Found:
         logs.log("k8s-estimate-refused", cards=[card.label for card, _ in cards], error=failure.message)
@@ -241,7 +279,12 @@ class Estimates:
             self._memory.popitem(last=False)
 
 
-def card_key(request: EstimateRequest, card: Card) -> str:
+def _spec_job(doc: dict[str, Any]) -> tuple[EstimateRequest, int]:
+    job = parse_request(doc, allow_local_code=False)
+    return job, job.planner.reserve_bytes
+
+
+def card_key(request: EstimateRequest | ProfileEstimateRequest, card: Card) -> str:
     """The cache key of ``request`` on ``card`` alone (not a POST /estimate key: its answer is one card's
     ``results[]`` entry of a job that may have held several)."""
     doc = request.model_dump(mode="json", by_alias=True)

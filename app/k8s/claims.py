@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from app.k8s.answers import Answer, Estimates
+from app.k8s.answers import MISSING_PROFILE, Answer, Estimates
 from app.k8s.cards import Card, named_card
 from app.k8s.pods import PIN, annotations_of, listing, mapping, opted_in, training_pod
 from app.k8s.review import estimate_op, patched, unchanged
@@ -140,6 +140,8 @@ async def size_claim(request: dict[str, Any], estimates: Estimates, deadline: fl
     except SpecError as exc:
         calls.labels("mutate", "error").inc()
         return unchanged(f"not changed: {exc}")
+    if not await estimates.profile_known(training, "mutate"):
+        return unchanged(MISSING_PROFILE)
     places = gpu_places(obj, kind, version)
     if not places:
         calls.labels("mutate", "error").inc()

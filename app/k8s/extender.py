@@ -143,6 +143,8 @@ async def _judge(args: dict[str, Any], items: list[dict[str, Any]], estimates: E
         logs.log("k8s-bad-pod", verb=verb, pod=pod_name(pod), error=str(exc))
         metrics.k8s_calls.labels(verb, "error").inc()
         return Judgement()
+    if not await estimates.profile_known(training, verb):
+        return Judgement()
     cards: dict[str, Card] = {}
     for node in items:
         labels = node_labels(node)

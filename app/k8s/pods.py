@@ -1,7 +1,9 @@
 """What a pod asks of batchfit: its annotations, its GPU containers and the card it is pinned to.
 
-- ``batchfit.io/spec``: a docs/API.md request without ``gpus`` (JSON). A pod without it is never filtered,
-  ranked or mutated.
+- ``batchfit.io/spec``: a docs/API.md request without ``gpus`` (JSON); or
+- ``batchfit.io/profile``: a stored profile's id (``sha256:...``, POST /profiles answers it) standing for the
+  spec: the job's own code, traced where it lives. A pod with neither is never filtered, ranked or mutated;
+  one naming a profile the service does not have is treated as if it had neither (app/k8s/answers.py).
 - ``batchfit.io/batch-size``: the per-GPU batch the job will run (optional).
 - ``batchfit.io/gpu``: the card, when neither the node selector nor required node affinity pins one
   (optional; what places the pod comes first).
@@ -19,11 +21,12 @@ from typing import Any
 
 from app.k8s.cards import GPU_RESOURCE, PRODUCT, mig_profile_of
 from app.shape import check_shape
-from estimator import EstimateRequest, parse_request
+from estimator import EstimateRequest, ProfileEstimateRequest, parse_profile_request, parse_request
 from estimator.errors import SpecError
 from estimator.options import MAX_BATCH  # docs/API.md, batch_size
 
 SPEC = "batchfit.io/spec"
+PROFILE = "batchfit.io/profile"
 BATCH = "batchfit.io/batch-size"
 PIN = "batchfit.io/gpu"
 ESTIMATE = "batchfit.io/estimate"
@@ -36,7 +39,7 @@ class TrainingPod:
     containers' indexes and the MIG profile they request under the mixed strategy (None: whole GPUs)."""
 
     name: str
-    request: EstimateRequest
+    request: EstimateRequest | ProfileEstimateRequest
     batch: int | None
     gpu_containers: tuple[int, ...]
     mig_profile: str | None
@@ -63,12 +66,15 @@ def annotations_of(pod: dict[str, Any]) -> dict[str, Any]:
 
 
 def opted_in(pod: dict[str, Any]) -> bool:
-    return SPEC in annotations_of(pod)
+    notes = annotations_of(pod)
+    return SPEC in notes or PROFILE in notes
 
 
 def training_pod(pod: dict[str, Any]) -> TrainingPod:
     """The pod's request; ``SpecError`` naming the annotation (and the request's field) when it is wrong."""
     notes = annotations_of(pod)
+    if PROFILE in notes:
+        return _profile_pod(pod, notes)
     raw = notes.get(SPEC)
     if not isinstance(raw, str):
         raise SpecError(f"annotations[{SPEC}]", raw, "a JSON object (docs/API.md request without 'gpus')")
@@ -98,6 +104,27 @@ def training_pod(pod: dict[str, Any]) -> TrainingPod:
         request = parse_request(doc, allow_local_code=False)
     except SpecError as exc:
         raise SpecError(f"annotations[{SPEC}].{exc.field}", exc.value, exc.expected) from None
+    return _training(pod, request, batch)
+
+
+def _profile_pod(pod: dict[str, Any], notes: dict[str, Any]) -> TrainingPod:
+    """A pod that names a stored profile: the request by profile, on a stand-in card (replaced per node)."""
+    if SPEC in notes:
+        raise SpecError(f"annotations[{PROFILE}]", notes[PROFILE], f"no {SPEC} beside it (the profile stands "
+                        "for the spec: name one of them)")
+    raw = notes[PROFILE]
+    doc = {"profile": raw.strip() if isinstance(raw, str) else raw, "gpus": ["A100-80GB"]}
+    batch = batch_of(notes)
+    if batch is not None:
+        doc["batch_size"] = batch
+    try:
+        request = parse_profile_request(doc)
+    except SpecError as exc:
+        raise SpecError(f"annotations[{PROFILE}]", exc.value, exc.expected) from None
+    return _training(pod, request, batch)
+
+
+def _training(pod: dict[str, Any], request: EstimateRequest | ProfileEstimateRequest, batch: int | None) -> TrainingPod:
     containers, profiles = gpu_containers(pod)
     if len(profiles) > 1:
         raise SpecError("spec.containers[].resources", sorted(profiles), "one MIG profile for the pod's GPU "

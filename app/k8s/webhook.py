@@ -30,7 +30,7 @@ import math
 from typing import Any
 
 from app import logs
-from app.k8s.answers import Answer, Estimates
+from app.k8s.answers import MISSING_PROFILE, Answer, Estimates
 from app.k8s.cards import Card, named_card
 from app.k8s.claims import CLAIM_GROUP, CLAIM_KINDS, size_claim
 from app.k8s.pods import TrainingPod, listing, mapping, opted_in, pinned_products, training_pod
@@ -67,6 +67,8 @@ async def _respond(request: dict[str, Any], estimates: Estimates, deadline: floa
     except SpecError as exc:
         calls.labels("mutate", "error").inc()
         return unchanged(f"not changed: {exc}")
+    if not await estimates.profile_known(training, "mutate"):
+        return unchanged(MISSING_PROFILE)
     if not training.gpu_containers:
         calls.labels("mutate", "error").inc()
         return unchanged("not changed: no container requests nvidia.com/gpu or a MIG resource")

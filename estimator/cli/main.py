@@ -7,6 +7,7 @@
   batchfit estimate --spec req.json --model mypkg.nets:make   # a local nn.Module factory
   batchfit estimate --spec req.json --plot step.png --snapshot step.pickle   # the step, drawn; for memory_viz
   batchfit profile --spec req.json -o profile.json       # the affine trace, portable
+  batchfit profile push profile.json --url http://batchfit:8000   # stored in the service: prints its id
   batchfit estimate --profile profile.json --gpus A100-80GB H100-80GB
   batchfit serve --host 0.0.0.0 --ssl-certfile tls.crt --ssl-keyfile tls.key   # HTTPS (an admission webhook)
 
@@ -240,7 +241,8 @@ def _parser() -> argparse.ArgumentParser:
                      "card's max)")
     val.add_argument("--json", action="store_true")
     val.set_defaults(func=_validate, batch_size=None)
-    prof = sub.add_parser("profile", help="write the portable profile (affine trace) of a request's model")
+    prof = sub.add_parser("profile", help="write the portable profile (affine trace) of a request's model; "
+                          "`batchfit profile push FILE --url URL` stores one in a service")
     add_request_flags(prof, overrides=False)
     prof.add_argument("--gpus", nargs="+", metavar="GPU", help="the cards whose attention backends it covers "
                       "besides the catalog's")
@@ -258,7 +260,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["profile", "push"]:  # a verb of its own: `batchfit profile` itself takes a request's flags
+        from estimator.cli.push import push, push_parser
+
+        args = push_parser().parse_args(argv[2:])
+        args.func = push
+    else:
+        args = _parser().parse_args(argv)
     try:
         return int(args.func(args))
     except SpecError as exc:

@@ -27,6 +27,7 @@ from estimator.options import PlanOptions
 from estimator.plan.advice import advise
 from estimator.plan.notes import Notes
 from estimator.plan.results import EstimateResponse, GPUResult, Provenance, WarningCode
+from estimator.plan.schedule import batch_schedule
 from estimator.plan.steps import CHECK_OFFSET, Steps, StepSource
 from estimator.plan.strategy import max_batches, recommend
 from estimator.replay.report import MemoryReport
@@ -119,6 +120,7 @@ def answer_at(steps: Steps, cards: list[GPU], options: PlanOptions, start: int, 
             recommended_batch_size=rec, search=how, memory=report,
             max_memory=None if best is None else steps.report(best, card, exact=False),
             recommended_memory=None if rec is None else steps.report(rec, shrunk, exact=False),
+            batch_schedule=batch_schedule(steps, card, start, rec, wishes),
             world_size=world, global_batch_size=None if rec is None else rec * ranks * options.grad_accumulation_steps,
             **vars(advice)))
         shown = shown or report

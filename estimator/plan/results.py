@@ -14,6 +14,7 @@ from typing import Annotated, Any
 from pydantic import Field, TypeAdapter
 
 from estimator.plan.advice import AccumulationPlan, CurvePoint, LearningRate
+from estimator.plan.schedule import ScheduleStage
 from estimator.replay.report import Breakdown, MemoryAtBatch
 
 
@@ -24,6 +25,7 @@ class SearchMethod(StrEnum):
     AFFINE_CONFIRMED = "affine-confirmed"  # replays, then full simulations at max and max + 1 agree
     AFFINE = "affine"  # replays of the affine trace, its fit checked at one small batch
     FULL = "full"  # full simulations only (the step is not affine in the batch, or nothing fits)
+    PROFILE = "profile"  # replays of a portable profile's affine trace: no model code, no simulation
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,11 @@ class GPUResult:
                                                            "fewest accumulation steps that reach it at a micro-batch "
                                                            "that fits")] = None
     learning_rate: LearningRate | None = None
+    batch_schedule: Annotated[list[ScheduleStage], Field(description="with planner.batch_schedule: per stage "
+                                                         "the micro-batch x accumulation x ranks that reaches its "
+                                                         "global batch at the recommended memory, the step time "
+                                                         "and the learning rate; [] without, or when no batch is "
+                                                         "recommended")] = field(default_factory=list)
     world_size: Annotated[int, Field(description="ranks of the data-parallel step (training.distributed); the "
                                      "batch sizes above are each rank's micro-batch")] = 1
     global_batch_size: Annotated[int | None, Field(description="recommended_batch_size x world_size x "

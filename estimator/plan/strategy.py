@@ -31,7 +31,7 @@ def max_batches(steps: Steps, cards: list[GPU], start: int, confirm: ConfirmMode
     groups: dict[Hashable, list[int]] = {}
     for i, card in enumerate(cards):
         if not steps.report(start, card).fits:
-            answers[i] = (None, Search(SearchMethod.FULL))
+            answers[i] = (None, Search(SearchMethod.FULL if steps.can_confirm else SearchMethod.PROFILE))
         else:
             groups.setdefault(steps.signature(card), []).append(i)
     for members in groups.values():
@@ -61,7 +61,8 @@ def _search_group(steps: Steps, cards: list[GPU], start: int, confirm: ConfirmMo
         bests = _replay_searches(steps, profile, cards, start)
         if confirm == ConfirmMode.EVERY_CARD and steps.can_confirm:
             return [_confirm_card(steps, card, best, start, notes) for card, best in zip(cards, bests, strict=True)]
-        return [(best, Search(SearchMethod.AFFINE)) for best in bests]
+        method = SearchMethod.AFFINE if steps.can_confirm else SearchMethod.PROFILE  # a profile simulates nothing
+        return [(best, Search(method)) for best in bests]
     checked: list[int] = []
     for profile in steps.candidates(start, first):
         bests = _replay_searches(steps, profile, cards, start)

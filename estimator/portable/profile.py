@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from estimator.errors import SpecError
 from estimator.gpus import CATALOG, GPU
 from estimator.plan.affine import SCHEMA_VERSION, AffineTrace, concrete, from_json
+from estimator.portable.schema import PROFILE_SCHEMA, check_profile_doc
 from estimator.trace import Trace
 
 if TYPE_CHECKING:
@@ -43,7 +44,7 @@ class PortableProfile:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "schema": "batchfit.profile", "version": SCHEMA_VERSION, "versions": self.versions,
+            "schema": PROFILE_SCHEMA, "version": SCHEMA_VERSION, "versions": self.versions,
             "request": self.request, "model": self.model, "parameter_count": self.parameter_count,
             "start": self.start, "flops": {k: list(v) for k, v in self.flops.items()}, "sdpa_calls": self.sdpa_calls,
             "assumptions": self.assumptions,
@@ -53,11 +54,10 @@ class PortableProfile:
         }
 
     @classmethod
-    def from_json(cls, doc: Any) -> PortableProfile:
-        if not isinstance(doc, dict) or doc.get("schema") != "batchfit.profile":
-            raise SpecError("--profile", type(doc).__name__, "a batchfit profile (schema 'batchfit.profile')")
-        if doc.get("version") != SCHEMA_VERSION:
-            raise SpecError("--profile.version", doc.get("version"), f"{SCHEMA_VERSION} (re-run batchfit profile)")
+    def from_json(cls, doc: Any, field: str = "--profile") -> PortableProfile:
+        """The profile ``doc`` holds, checked by its strict schema first (``SpecError`` naming ``field``'s
+        first bad part: estimator/portable/schema.py)."""
+        check_profile_doc(doc, field)
         try:
             return cls(doc["request"], doc["model"], int(doc["parameter_count"]), int(doc["start"]),
                        {k: (int(v[0]), int(v[1])) for k, v in doc["flops"].items()}, list(doc["sdpa_calls"]),
@@ -66,7 +66,7 @@ class PortableProfile:
                        list(doc["assumptions"]), dict(doc["versions"]),
                        [(int(a), int(b)) for a, b in doc["capability_thresholds"]])
         except (KeyError, TypeError, ValueError, IndexError) as exc:
-            raise SpecError("--profile", f"{type(exc).__name__}: {exc}", "a complete batchfit profile") from exc
+            raise SpecError(field, f"{type(exc).__name__}: {exc}", "a complete batchfit profile") from exc
 
 
 def profile_of(steps: Steps, backend_key: Callable[[GPU], str], cards: Sequence[GPU], start: int, *,

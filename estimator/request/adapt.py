@@ -89,7 +89,7 @@ def plan_of(request: EstimateRequest) -> PlanOptions:
         optimizer=t.optimizer.name, compute=compute, compute_from=compute_from, curve_points=p.curve_points,
         efficiency=p.efficiency, ranks=p.data_parallel_ranks, dataset_size=p.dataset_size,
         max_epoch_seconds=p.max_epoch_seconds, target_global_batch=p.target_global_batch, base_lr=p.base_lr,
-        base_batch=p.base_batch,
+        base_batch=p.base_batch, batch_schedule=tuple(p.batch_schedule or ()), accumulation=t.grad_accumulation_steps,
     )
     levers = Levers(checkpointing=bool(t.gradient_checkpointing), precision=t.precision, optimizer=t.optimizer.name,
                     momentum=bool(t.optimizer.momentum), foreach=t.optimizer.foreach, strategy=d.strategy)

@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from estimator.errors import SpecError
 from estimator.models.registry import sources
 from estimator.request.spec import EstimateRequest, check_request
 
-_BRANCHES = {*sources(), "str", "int", "float", "bool", "CustomGPUSpec"}
+# union branches: the model sources, JSON types, a card entry's kinds, POST /estimate's two bodies
+_BRANCHES = {*sources(), "str", "int", "float", "bool", "CustomGPUSpec", "EstimateRequest", "ProfileEstimateRequest"}
+FIXED_ERROR = "fixed_by_profile"  # estimator.request.profile's error type: the fields a profile fixes
+M = TypeVar("M", bound=BaseModel)
 
 
 def _is_branch(part: object) -> bool:
@@ -61,10 +64,17 @@ def parse_request(data: Any, *, allow_local_code: bool = False) -> EstimateReque
             raise SpecError("(body)", data[:80], f"a JSON object ({exc.msg} at line {exc.lineno})") from exc
     if not isinstance(data, dict):
         raise SpecError("(body)", data, "a JSON object with at least 'model'")
+    return check_request(validated(EstimateRequest, data), allow_local_code=allow_local_code)
+
+
+def validated(schema: type[M], data: Any) -> M:
+    """``schema.model_validate(data)``, its first error as a ``SpecError`` naming the field."""
     try:
-        req = EstimateRequest.model_validate(data)
+        return schema.model_validate(data)
     except ValidationError as exc:
         errors = exc.errors(include_url=False)
+        if errors[0]["type"] == FIXED_ERROR:  # fields a profile fixes, named at once
+            raise describe_validation_error(dict(errors[0])) from exc
         # A union reports one error per branch: keep the deepest (the branch
         # the value was meant for); equally deep ones are alternatives.
         first = _path(errors[0]["loc"])
@@ -76,7 +86,6 @@ def parse_request(data: Any, *, allow_local_code: bool = False) -> EstimateReque
         value = None if err["type"] == "missing" else err.get("input", _lookup(data, loc))
         expected = " or ".join(dict.fromkeys(_expected(e) for e in chosen))
         raise SpecError(_path(loc) or "(body)", value, expected) from exc
-    return check_request(req, allow_local_code=allow_local_code)
 
 
 def _expected(err: Mapping[str, Any]) -> str:
@@ -105,5 +114,8 @@ def describe_validation_error(err: dict[str, Any]) -> SpecError:
     """One pydantic error (FastAPI's, its location under ``body``) as a ``SpecError``: field, value, expected."""
     loc = tuple(err["loc"])
     loc = loc[1:] if loc and loc[0] == "body" else loc
+    if err["type"] == FIXED_ERROR:  # the first of them is the field; all of them the value
+        fields = err["ctx"]["fields"].split(", ")
+        return SpecError(fields[0], fields, err["ctx"]["expected"])
     value = None if err["type"] == "missing" else err.get("input")
     return SpecError(_path(loc) or "(body)", value, _expected(err))

@@ -30,7 +30,9 @@ from estimator.options import (
     MAX_BASE_LR,
     MAX_BATCH,
     MAX_CARDS,
+    MAX_GLOBAL_BATCH,
     MAX_JSON_DEPTH,
+    MAX_STAGES,
     MAX_WORLD_SIZE,
     ConfirmMode,
 )
@@ -166,9 +168,17 @@ class PlannerSpec(BaseModel):
     curve_points: int = Field(10, ge=0, le=50, description="about this many batch sizes in the memory curve "
                               "(powers of two, then 3 x 2^k, up to the max; 0: no curve)")
     data_parallel_ranks: int = Field(1, ge=1, le=65536)
-    target_global_batch: int | None = Field(None, ge=1, le=2**30, description="plan accumulation for this batch")
-    base_lr: float | None = Field(None, gt=0, le=MAX_BASE_LR, description="a learning rate tuned at base_batch")
+    target_global_batch: int | None = Field(None, ge=1, le=MAX_GLOBAL_BATCH,
+                                            description="plan accumulation for this batch")
+    base_lr: float | None = Field(None, gt=0, le=MAX_BASE_LR, description="a learning rate tuned at base_batch "
+                                  "(with batch_schedule, at its first stage when base_batch is not given)")
     base_batch: int | None = Field(None, ge=1, le=2**30)
+    batch_schedule: list[Annotated[int, Field(ge=1, le=MAX_GLOBAL_BATCH)]] | None = Field(
+        None, min_length=1, max_length=MAX_STAGES, examples=[[256, 512, 1024, 2048, 4096]], description=(
+            "global batch sizes, one per stage of a schedule that grows the batch: per card and stage "
+            "results[].batch_schedule gives the micro-batch (at most the recommended batch) x accumulation x "
+            "ranks that reaches it, the step time and, with base_lr, the learning rate; from the same steps as "
+            "the rest of the answer (no simulation of its own)"))
     dataset_size: int | None = Field(None, ge=1, le=2**48, description="samples per epoch")
     max_epoch_seconds: float | None = Field(None, gt=0)
     efficiency: float = Field(DEFAULT_EFFICIENCY, gt=0, le=1,
