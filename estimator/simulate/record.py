@@ -28,6 +28,8 @@ from estimator.gpus import GPU
 from estimator.models import BatchFactory, BuiltModel, LossFn, ModelFactory, OnDevice, OptimizerFn, StepFn
 from estimator.models.meta import build_on_meta
 from estimator.simulate.accumulation import Cut, expand, micro_steps_in_trace, repeats
+from estimator.simulate.bnb_optimizers import ASSUMPTION as PAGED_ASSUMPTION
+from estimator.simulate.bnb_optimizers import is_paged
 from estimator.simulate.distributed import (
     NCCL_ASSUMPTION,
     gathered_parameters,
@@ -39,9 +41,10 @@ from estimator.simulate.distributed import (
 from estimator.simulate.recipe import Recipe
 from estimator.simulate.step import StepHooks, cast_model, prepare, run_steps
 from estimator.simulate.virtual_gpu import Shortcuts, VirtualGPU
-from estimator.simulate.virtual_gpu.cpu_conv import CpuConvColumns
+from estimator.simulate.virtual_gpu.bnb import ASSUMPTION as BNB_ASSUMPTION
 from estimator.simulate.virtual_gpu.bnb import flops as bnb_flops
 from estimator.simulate.virtual_gpu.bnb import internals as bnb_internals
+from estimator.simulate.virtual_gpu.cpu_conv import CpuConvColumns
 from estimator.simulate.virtual_gpu.cudnn import ASSUMPTION as CUDNN_ASSUMPTION
 from estimator.simulate.virtual_gpu.cudnn import BENCHMARK_ASSUMPTION, COLUMNS, WORKSPACE, ConvWorkspaces
 from estimator.simulate.virtual_gpu.cudnn_rnn import ASSUMPTION as RNN_ASSUMPTION
@@ -345,6 +348,8 @@ class Recorder:
                 f"{accumulation}")
         if self.rnn_calls:
             trace.assumptions.append(RNN_ASSUMPTION)
+        if any(a.category == Category.PAGED_OPTIMIZER_STATE for a in trace.allocations):
+            trace.assumptions.append(PAGED_ASSUMPTION)
         trace.assumptions.extend(notes.kernels)
         trace.unsupported.extend(notes.unsupported)
         self.trace.sdpa_calls = list(notes.sdpa_calls)
@@ -396,7 +401,9 @@ class SimulationHooks(StepHooks):
 
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
         local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer: this rank's optimizer
-        self.recorder.mark(tree_leaves(list(local.state.values())), Category.OPTIMIZER_STATE)
+        state = tree_leaves(list(local.state.values()))
+        self.recorder.mark((t for t in state if not is_paged(t)), Category.OPTIMIZER_STATE)
+        self.recorder.mark(filter(is_paged, state), Category.PAGED_OPTIMIZER_STATE)  # bitsandbytes' paged buffers
 
 
 class _ModuleTracker:
@@ -556,6 +563,8 @@ def _kernel_lines(vgpu: VirtualGPU, convs: ConvWorkspaces | None, recipe: Recipe
             lines.append(BENCHMARK_ASSUMPTION)
     if vgpu.gpu is not None:
         lines.extend(vgpu.grouped_mm.assumptions(vgpu.gpu.name))
+    if vgpu.quantized:
+        lines.append(BNB_ASSUMPTION)
     return lines
 
 

@@ -231,6 +231,7 @@ class VirtualGPU:
         # Tests only: leave torch's C++ engine in charge (works for fake CPU tensors).
         self.cpp_engine = cpp_engine and gpu is None
         self.unsupported: list[str] = []
+        self.quantized = False  # bitsandbytes' quantized layers were materialized
         self.streams = streams or Streams()  # which stream allocates: one allocator pool per stream
         self.rnns = CudnnRnns()  # cuDNN's RNN path (docs/DESIGN.md, fact 20)
         self._patches = Patches()
@@ -345,6 +346,7 @@ class VirtualGPU:
         """``materialize``, with bitsandbytes' quantized layers quantized on the device (virtual_gpu/bnb.py); the
         quantized weights' state tensors besides their parameters."""
         state = bnb.materialize(module, self.materialize, self.device)
+        self.quantized = self.quantized or bool(state)
         return module, state
 
     def materialize_sharded(self, module: torch.nn.Module) -> torch.nn.Module:
