@@ -1,7 +1,7 @@
 """Parameter-efficient and quantized fine-tuning of a transformers model: ``model.peft`` and ``model.quantization``.
 
 >>> PeftSpec.model_validate({"r": 16, "target_modules": "all-linear"}).alpha
-16.0
+16
 >>> QuantizationSpec.model_validate({"method": "bnb-4bit"}).quant_type                 # doctest: +SKIP
 'nf4'
 
@@ -15,6 +15,8 @@ model reaches the (virtual) device: estimator/simulate/virtual_gpu/bnb.py.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
@@ -36,7 +38,7 @@ class PeftSpec(BaseModel):
     method: Literal["lora", "dora"] = Field("lora", description="'lora', or 'dora' (LoraConfig.use_dora: a "
                                             "magnitude vector per adapted layer and its weight-norm temporaries)")
     r: int = Field(8, ge=1, le=4096, description="LoraConfig.r: the adapters' rank")
-    alpha: float = Field(16.0, gt=0, le=65536, description="LoraConfig.lora_alpha (scales the update by alpha/r)")
+    alpha: int = Field(16, ge=1, le=65536, description="LoraConfig.lora_alpha (scales the update by alpha/r)")
     dropout: float = Field(0.05, ge=0.0, lt=1.0, description="LoraConfig.lora_dropout on each adapter's input "
                            "(above 0 a mask and a copy of the input are kept for backward)")
     target_modules: list[Annotated[str, Field(min_length=1, max_length=128)]] | Literal["all-linear"] | None = \
@@ -93,7 +95,7 @@ def _libraries() -> None:
         raise MissingExtraError("peft", "model.peft and model.quantization", str(exc)) from exc
 
 
-def quantize(model: torch.nn.Module, spec: Bnb4bitSpec | Bnb8bitSpec, lines: list[str]) -> torch.nn.Module:
+def quantize(model: Any, spec: Bnb4bitSpec | Bnb8bitSpec, lines: list[str]) -> Any:
     """The model's linear layers replaced by bitsandbytes' (on meta: nothing is quantized yet), as transformers'
     bitsandbytes quantizer does before loading weights; then ``prepare_model_for_kbit_training`` when asked."""
     _libraries()
@@ -144,7 +146,29 @@ def _linears(model: torch.nn.Module) -> int:
     return sum(type(m) is torch.nn.Linear or type(m).__name__ == "Conv1D" for m in model.modules())
 
 
-def adapt(model: torch.nn.Module, spec: PeftSpec, task: Task, lines: list[str]) -> torch.nn.Module:
+@contextlib.contextmanager
+def _norms_on_meta() -> Iterator[None]:
+    """DoRA's magnitude is the base weight's norm, which ``update_layer`` computes from the dequantized weight; on
+    the meta device a bitsandbytes weight is not quantized yet (that happens on the device), so its meta tensor,
+    of the full shape, is the weight."""
+    import peft.tuners.lora.dora as dora
+
+    original = dora.dequantize_module_weight
+
+    def dequantize_module_weight(module: Any) -> Any:
+        weight = getattr(module, "weight", None)
+        if weight is not None and weight.device.type == "meta":
+            return weight.data
+        return original(module)
+
+    dora.dequantize_module_weight = dequantize_module_weight
+    try:
+        yield
+    finally:
+        dora.dequantize_module_weight = original
+
+
+def adapt(model: Any, spec: PeftSpec, task: Task, lines: list[str]) -> Any:
     """``get_peft_model`` with the request's ``LoraConfig``: the base frozen, the adapters (and
     ``modules_to_save``) trainable."""
     _libraries()
@@ -154,8 +178,11 @@ def adapt(model: torch.nn.Module, spec: PeftSpec, task: Task, lines: list[str]) 
     try:
         config = LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules=targets,
                             modules_to_save=spec.modules_to_save or None, bias=spec.bias,
-                            use_dora=spec.method == "dora", task_type=_TASK_TYPES.get(task))
-        peft_model = get_peft_model(model, config)
+                            use_dora=spec.method == "dora", task_type=_TASK_TYPES.get(task),
+                            # GPT-2's Conv1D keeps its weight transposed (peft would warn and set it itself)
+                            fan_in_fan_out=any(type(m).__name__ == "Conv1D" for m in model.modules()))
+        with _norms_on_meta():
+            peft_model = get_peft_model(model, config)
     except ValueError as exc:
         field = "model.peft.modules_to_save" if "modules_to_save" in str(exc) else "model.peft.target_modules"
         value = spec.modules_to_save if field.endswith("save") else targets
@@ -165,7 +192,7 @@ def adapt(model: torch.nn.Module, spec: PeftSpec, task: Task, lines: list[str]) 
     adapted = sorted({name.rsplit(".", 1)[-1] for name in
                       getattr(peft_model.peft_config["default"], "target_modules", None) or []})
     kind = "DoRA" if spec.method == "dora" else "LoRA"
-    lines.append(f"{kind} (peft get_peft_model): r={spec.r}, alpha={spec.alpha:g}, "
+    lines.append(f"{kind} (peft get_peft_model): r={spec.r}, alpha={spec.alpha}, "
                  f"dropout {spec.dropout:g} on {', '.join(adapted)}: {trainable:,} trainable parameters of {total:,}; "
                  "the base is frozen (no gradients, no optimizer state)")
     return peft_model

@@ -73,7 +73,7 @@ def _simulable(name: str) -> type[torch.optim.Optimizer]:
                 buff = torch.zeros_like(p, dtype=dtype)  # get_paged + fill(buff, 0): managed memory of these bytes
                 setattr(buff, PAGED, True)
                 return buff
-            return super().get_state_buffer(p, dtype)  # type: ignore[no-any-return]
+            return super().get_state_buffer(p, dtype)
 
         def prefetch_state(self, p: torch.Tensor) -> None:
             if not isinstance(p, FakeTensor):  # cudaMemPrefetchAsync of a paged buffer: no bytes move here

@@ -269,6 +269,7 @@ class VirtualGPU:
                 import logging
 
                 p.set(logging.getLogger("bitsandbytes.autograd._functions"), "disabled", True)
+                bnb.patch_peft(p)
             p.set(torch.nn.Module, "_apply", module_apply(torch.nn.Module._apply))
             # copy.deepcopy of a fake tensor: one of this mode, its copy recorded (fake_mode.deepcopy_fake)
             p.set(FakeTensor, "__deepcopy__", deepcopy_fake)

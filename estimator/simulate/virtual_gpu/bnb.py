@@ -45,6 +45,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 OUTLIER_COLUMNS = 8  # LLM.int8(): systematic outliers in <= 7 hidden dimensions up to 13B
 CUSTOM_MAX_M = 1536  # backends/cuda/ops.py _gemm_4bit_custom_max_m: dequant + F.linear past it
@@ -79,8 +80,10 @@ def materialize(model: torch.nn.Module, materialize_rest: Any, device: torch.dev
     layer's weight quantized on ``device`` by bitsandbytes; the quant-state tensors, which are the weights' storage
     as much as the packed parameter is."""
     layers = quantized_layers(model)
-    if layers:
-        _code_tables()
+    if not layers:
+        materialize_rest(model)
+        return []
+    _code_table()
     # the meta Params4bit / Int8Params (which carry the layer's options) out of the way of materialize_rest
     metas = [m._parameters.pop("weight") for _, m in layers]
     materialize_rest(model)
@@ -90,16 +93,19 @@ def materialize(model: torch.nn.Module, materialize_rest: Any, device: torch.dev
     return state
 
 
-def _code_tables() -> None:
-    """bitsandbytes' 8-bit dynamic code (``functional.name2qmap["dynamic"]``, the nested absmax's and the 8-bit
-    optimizers' qmap), computed once on the host as bitsandbytes caches it: ``create_dynamic_map`` reads values
-    (``tolist``), which fake tensors do not have."""
+def _code_table() -> torch.Tensor:
+    """bitsandbytes' 8-bit dynamic code (``functional.name2qmap["dynamic"]``, the nested absmax's), computed on the
+    host: ``create_dynamic_map`` reads values (``tolist``), which fake tensors do not have. Each nested state keeps
+    its own device copy (``quantize_blockwise``: ``code.to(A.device, copy=True)``); the cache's own device copy, 1 KiB
+    once per process on a card, is not counted."""
     import bitsandbytes.functional as F
     from torch.utils._python_dispatch import _disable_current_modes
 
-    if "dynamic" not in F.name2qmap:
+    host = F.name2qmap.get("dynamic")
+    if host is None or isinstance(host, FakeTensor):
         with _disable_current_modes():
-            F.name2qmap["dynamic"] = F.create_dynamic_map()
+            host = F.name2qmap["dynamic"] = F.create_dynamic_map()
+    return host
 
 
 def _quantize(module: torch.nn.Module, meta: Any, device: torch.device) -> list[torch.Tensor]:
@@ -126,6 +132,34 @@ def _quantize(module: torch.nn.Module, meta: Any, device: torch.device) -> list[
     weight.CB, weight.SCB = cb, scb  # type: ignore[attr-defined]  # Linear8bitLt.forward moves them to its state
     module.weight = weight
     return [scb]
+
+
+def patch_peft(patches: Any) -> None:
+    """peft's ``dequantize_module_weight`` (DoRA's weight norm, every forward) for the quantized layers
+    ``materialize`` made: their weights are plain parameters, so it would hand back the packed bytes; here it
+    dequantizes them as ``dequantize_bnb_weight`` does a ``Params4bit`` (``functional.dequantize_4bit``) or an
+    ``Int8Params`` (``functional.int8_vectorwise_dequant``)."""
+    if "peft" not in sys.modules:
+        return
+    import peft.tuners.lora.dora as dora
+    import peft.tuners.lora.variants as variants
+
+    original = dora.dequantize_module_weight
+
+    def dequantize_module_weight(module: torch.nn.Module) -> torch.Tensor:
+        import bitsandbytes.functional as F
+
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, FakeTensor):
+            if getattr(weight, "quant_state", None) is not None:
+                return F.dequantize_4bit(weight.data, weight.quant_state)
+            state = getattr(module, "state", None)
+            if weight.dtype == torch.int8 and state is not None and state.SCB is not None:
+                return F.int8_vectorwise_dequant(weight.data, state.SCB)
+        return original(module)
+
+    for where in (dora, variants):
+        patches.set(where, "dequantize_module_weight", dequantize_module_weight)
 
 
 def quant_state_tensors(qs: Any) -> list[torch.Tensor]:
@@ -161,7 +195,7 @@ def _custom_heuristic(m: int, n: int, k: int, dtype: torch.dtype, capability: tu
 
     heuristic = cuda_ops._gemm_4bit_use_custom_cuda.__wrapped__  # its cache keys on the device index alone
     props = cuda_ops._gpu_dispatch_props
-    cuda_ops._gpu_dispatch_props = lambda index: (108, *capability)
+    cuda_ops._gpu_dispatch_props = lambda index: (108, *capability)  # type: ignore[assignment]
     try:
         return bool(heuristic(0, dtype, m, n, k))
     finally:

@@ -58,7 +58,7 @@ class TransformersModel(BaseModel):
     peft: PeftSpec | None = Field(None, description="train adapters instead of the whole model: LoRA or DoRA "
                                        "through peft's own get_peft_model (the base frozen)",
                                        examples=[{"method": "lora", "r": 16, "target_modules": "all-linear"}])
-    quantization: QuantizationSpec | None = Field(  # type: ignore[valid-type]
+    quantization: QuantizationSpec | None = Field(
         None, description="the frozen base's linear layers quantized by bitsandbytes (needs model.peft): 'bnb-4bit' "
         "(QLoRA's NF4) or 'bnb-8bit' (LLM.int8())", examples=[{"method": "bnb-4bit", "quant_type": "nf4"}])
 
