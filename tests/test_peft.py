@@ -259,3 +259,52 @@ def test_qlora_request_answers_with_its_assumptions() -> None:
     assert "bnb-4bit (nf4, double quant, compute bf16): 14 linear layers quantized" in lines
     assert "LoRA (peft get_peft_model): r=16" in lines
     assert response.results[0].memory is not None and response.results[0].memory.fits
+
+
+# --- the planner and the allocator ---------------------------------------------------------------------------------
+
+
+def test_an_unfit_full_fine_tune_is_offered_lora_qlora_and_8bit_adamw_as_changes_of_method() -> None:
+    from estimator.pipeline import estimate
+
+    # 56 MiB: full fp32 AdamW of this 2.1M-parameter model (16 B a parameter, 34 MB, and its activations) does not
+    # fit with the headroom; each change of method below does, checked by its own simulation
+    card = {"name": "small-card", "memory_bytes": 56 * 2**20, "context_bytes": 0}
+    result = estimate(parse_request({"model": {"source": "transformers", "config": LLAMA}, "input": {"seq_len": 128},
+                                     "gpus": [card], "planner": {"reserve_bytes": 0, "curve_points": 0}})).results[0]
+    assert result.recommended_batch_size is None
+    methods = {next(iter(s.change.values())).get("method", next(iter(s.change.values())).get("name")): s
+               for s in result.suggestions if s.changes_method}
+    assert {"adamw8bit", "lora"} <= set(methods)
+    qlora = [s for s in result.suggestions if "model.quantization" in s.change]
+    assert qlora and qlora[0].changes_method and qlora[0].change["model.quantization"]["method"] == "bnb-4bit"
+    assert all(s.recommended_batch_size is not None for s in [*methods.values(), *qlora])
+
+
+def test_levers_skip_what_the_request_already_does() -> None:
+    from estimator.options import Levers, PlanOptions
+    from estimator.plan.suggest import levers
+
+    def changes(**pulled) -> list[str]:
+        return [next(iter(lever.change)) for lever in levers(PlanOptions(levers=Levers(**pulled)), True)
+                if lever.method]
+
+    assert changes(adaptable=True) == ["training.optimizer", "model.peft", "model.peft"]
+    assert changes(adaptable=True, peft=True) == ["training.optimizer", "model.quantization"]
+    assert changes(adaptable=True, peft=True, quantized=True, optimizer="paged_adamw8bit") == []
+    assert changes(adaptable=False) == []  # a torchvision model, or no peft extra
+
+
+def test_managed_bytes_count_against_the_card_outside_reserved() -> None:
+    from estimator.replay.allocator import AllocatorConfig, replay_sized
+
+    # a 4 MiB paged buffer beside a 10 MiB tensor: reserved is the tensor's 10 MiB segment, the card holds 14 MiB
+    events = [(True, 0), (True, 1), (False, 1), (False, 0)]
+    sizes = [4 * 2**20, 10 * 2**20]
+    categories = [Category.PAGED_OPTIMIZER_STATE, Category.ACTIVATION]
+    free = replay_sized(events, sizes, categories, AllocatorConfig(), timelines=False)
+    assert (free.reserved_peak, free.managed_peak, free.device_peak) == (10 * 2**20, 4 * 2**20, 14 * 2**20)
+    assert free.breakdown_at_peak == {Category.PAGED_OPTIMIZER_STATE: 4 * 2**20, Category.ACTIVATION: 10 * 2**20}
+    # 12 MiB of capacity: the segment fits alone, not beside the resident paged bytes
+    assert not replay_sized(events, sizes, categories, AllocatorConfig(12 * 2**20), timelines=False).fits
+    assert replay_sized(events, sizes, categories, AllocatorConfig(14 * 2**20), timelines=False).fits
