@@ -16,8 +16,8 @@ from estimator.models.peft import PeftSpec, adapt
 from estimator.pipeline import estimate_memory
 from estimator.replay.report import report_from_trace
 from estimator.request.parse import parse_request
-from estimator.simulate.record import record_training
 from estimator.simulate.recipe import Recipe
+from estimator.simulate.record import record_training
 from estimator.testing.zoo import ZOO
 from estimator.trace import Category, Phase, Trace
 
@@ -85,7 +85,7 @@ def test_nf4_double_quant_storage_bytes() -> None:
     trace = _layer_trace(_nf4)
     assert _bytes(trace, Category.PARAMETER) == NF4_DQ_PARAMETERS
     # quantized on the card from a bf16 copy of the weight, freed at once (as from_pretrained does per tensor)
-    assert (f"empty", DEQUANTIZED) in _ops(trace, Phase.SETUP, 0)
+    assert ("empty", DEQUANTIZED) in _ops(trace, Phase.SETUP, 0)
 
 
 def test_nf4_storage_bytes_without_double_quant() -> None:
@@ -233,7 +233,8 @@ def _request(**model):
     ({"peft": {"rank": 8}}, "model.peft.rank"),
     ({"peft": {"method": "ia3"}}, "model.peft.method"),
     ({"quantization": {"method": "bnb-4bit"}}, "model.quantization"),
-    ({"peft": {}, "quantization": {"method": "bnb-4bit", "quant_type": "int4"}}, "model.quantization.bnb-4bit.quant_type"),
+    ({"peft": {}, "quantization": {"method": "bnb-4bit", "quant_type": "int4"}},
+     "model.quantization.bnb-4bit.quant_type"),
     ({"peft": {}, "quantization": {"method": "gptq"}}, "model.quantization"),
 ])
 def test_bad_fine_tuning_options_name_their_field(model: dict, field: str) -> None:

@@ -174,10 +174,13 @@ class Suggester:
         return Suggestion(change, words, best, rec, world, changes_method=base.method)
 
     def for_card(self, card: GPU) -> list[Suggestion]:
-        """The checked changes for ``card``, cheapest first: each single lever that lands, else their first stack
-        that does; then FSDP over the fewest ranks (with that stack when FSDP alone is not enough)."""
-        out = [self._suggestion(lever, card) for lever in self.levers if self._lands(lever, card)]
-        taken = self._taken()
+        """The checked changes for ``card``, cheapest first: each single recipe lever that lands, else their first
+        stack that does; then each change of method that lands; then FSDP over the fewest ranks (with the recipe's
+        stack when FSDP alone is not enough)."""
+        landed = [lever for lever in self.levers if self._lands(lever, card)]
+        out = [self._suggestion(lever, card) for lever in landed if not lever.method]
+        # stacks combine the recipe's levers; a change of method is offered on its own, after them
+        taken = [lever for lever in self._taken() if not lever.method]
         if not out:
             for n in range(2, len(taken) + 1):
                 stack = stacked(taken[:n])
@@ -187,7 +190,8 @@ class Suggester:
         fsdp = self._fsdp([], card)
         if fsdp is None and not out and len(taken) > 1:
             fsdp = self._fsdp(taken, card)
-        return out + ([fsdp] if fsdp is not None else [])
+        methods = [self._suggestion(lever, card) for lever in landed if lever.method]
+        return out + methods + ([fsdp] if fsdp is not None else [])
 
     @property
     def simulations(self) -> int:

@@ -63,7 +63,7 @@ Internal = tuple[bool, str, int]  # (allocate?, label, bytes), in the kernel's o
 
 def loaded() -> bool:
     """Whether bitsandbytes is imported (a model with its layers cannot exist otherwise)."""
-    return "bitsandbytes" in sys.modules
+    return sys.modules.get("bitsandbytes") is not None  # None: blocked (a test without the extra)
 
 
 def quantized_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -91,6 +91,28 @@ def materialize(model: torch.nn.Module, materialize_rest: Any, device: torch.dev
     for (_, m), meta in zip(layers, metas, strict=True):
         state.extend(_quantize(m, meta, device))
     return state
+
+
+def materialize_real(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """A meta model on a real card, its quantized layers quantized by bitsandbytes' own ``Params4bit`` /
+    ``Int8Params`` one at a time from an empty copy in the compute dtype (as ``from_pretrained`` loads and quantizes
+    each tensor): what a real step measures (estimator/measure/cuda.py)."""
+    import bitsandbytes as bnb
+
+    layers = quantized_layers(model)
+    metas = [m._parameters.pop("weight") for _, m in layers]
+    model.to_empty(device=device)
+    for (_, m), meta in zip(layers, metas, strict=True):
+        if isinstance(m, bnb.nn.Linear4bit):
+            full = torch.empty(tuple(meta.shape), dtype=m.compute_dtype or meta.dtype, device=device)
+            m.weight = bnb.nn.Params4bit(full, requires_grad=False, blocksize=meta.blocksize,
+                                         compress_statistics=meta.compress_statistics, quant_type=meta.quant_type,
+                                         quant_storage=meta.quant_storage, module=m)._quantize(device)
+        else:
+            full = torch.empty(tuple(meta.shape), dtype=torch.float16, device=device)
+            m.weight = bnb.nn.Int8Params(full, requires_grad=False, has_fp16_weights=False)._quantize(device)
+        del full
+    return model
 
 
 def _code_table() -> torch.Tensor:
@@ -139,7 +161,7 @@ def patch_peft(patches: Any) -> None:
     ``materialize`` made: their weights are plain parameters, so it would hand back the packed bytes; here it
     dequantizes them as ``dequantize_bnb_weight`` does a ``Params4bit`` (``functional.dequantize_4bit``) or an
     ``Int8Params`` (``functional.int8_vectorwise_dequant``)."""
-    if "peft" not in sys.modules:
+    if sys.modules.get("peft") is None:
         return
     import peft.tuners.lora.dora as dora
     import peft.tuners.lora.variants as variants
