@@ -100,7 +100,7 @@ def materialize_real(model: torch.nn.Module, device: torch.device) -> torch.nn.M
     import bitsandbytes as bnb
 
     layers = quantized_layers(model)
-    metas = [m._parameters.pop("weight") for _, m in layers]
+    metas: list[Any] = [m._parameters.pop("weight") for _, m in layers]  # the meta Params4bit / Int8Params
     model.to_empty(device=device)
     for (_, m), meta in zip(layers, metas, strict=True):
         if isinstance(m, bnb.nn.Linear4bit):
@@ -174,7 +174,7 @@ def patch_peft(patches: Any) -> None:
         weight = getattr(module, "weight", None)
         if isinstance(weight, FakeTensor):
             if getattr(weight, "quant_state", None) is not None:
-                return F.dequantize_4bit(weight.data, weight.quant_state)
+                return F.dequantize_4bit(weight.data, weight.quant_state)  # type: ignore[attr-defined]
             state = getattr(module, "state", None)
             if weight.dtype == torch.int8 and state is not None and state.SCB is not None:
                 return F.int8_vectorwise_dequant(weight.data, state.SCB)
