@@ -3,7 +3,7 @@
     python bench/gpu_accuracy.py --out bench/RESULTS-h200.md      # on a CUDA machine (about 8 min on an H200)
     python bench/gpu_accuracy.py --cpu-selfcheck                  # anywhere: CPU-target predictions vs real CPU steps
 
-For each of the 24 cases below: the prediction for this machine's card at
+For each of the 30 cases below: the prediction for this machine's card at
 the case's batch, and one real step measured in a subprocess
 (estimator.measure.cuda: 3 iterations, max_memory_allocated/reserved, NVML used
 minus the pre-model baseline plus the measured context). Then for 5 cases

@@ -97,6 +97,9 @@ class Levers:
     momentum: bool = False  # SGD with momentum keeps a state per parameter
     foreach: bool | None = None  # optimizer.foreach as the request sets it (None: PyTorch's default)
     strategy: str = "none"
+    adaptable: bool = False  # the model can take adapters and quantization (a transformers model, peft installed)
+    peft: bool = False  # the request trains adapters already (model.peft)
+    quantized: bool = False  # its base is quantized already (model.quantization)
 
 
 @dataclass(frozen=True)

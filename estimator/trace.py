@@ -34,12 +34,16 @@ class Category(StrEnum):
     EMPTY_CACHE = "empty_cache"  # not memory: a torch.cuda.empty_cache() call (0 bytes)
     # distributed training's buffers: DDP's gradient buckets, FSDP's all-gather and reduce-scatter buffers
     COMMUNICATION = "communication"
+    # bitsandbytes' paged optimizers' state: CUDA unified memory (cudaMallocManaged), outside the caching allocator
+    PAGED_OPTIMIZER_STATE = "paged_optimizer_state"
     UNKNOWN = ""
 
 
 # Allocations a replay may skip when they cannot be had (cuDNN falls back to
 # a kernel without a workspace), so no part of a live-bytes bound.
 SOFT_CATEGORIES = frozenset({Category.CONV_WORKSPACE})
+# Allocations outside the caching allocator that still take the card's memory (the replay counts them apart).
+MANAGED_CATEGORIES = frozenset({Category.PAGED_OPTIMIZER_STATE})
 
 
 class Phase(StrEnum):

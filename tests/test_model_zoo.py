@@ -163,11 +163,24 @@ def test_timm_list_is_wide_enough() -> None:
 #   layer = q d*d+d 12,848,640 + k,v 2*(d*512+512) 3,671,040 + o d*d 12,845,056
 #           + 3*d*ffn 203,685,888 + 2 norms 7,168 = 233,057,792
 #   28 layers 6,525,618,176 + 2*V*d 1,089,994,752 + norm 3,584 = 7,615,616,512
+# tinyllama-1.1b: V=32000, d=2048, L=22, ffn=5632, 4 kv heads of 64 (k, v are d x 256)
+#   layer = q, o 2*d*d 8,388,608 + k, v 2*d*256 1,048,576 + 3*d*ffn 34,603,008 + 2 norms 4,096 = 44,044,288
+#   22 layers 968,974,336 + 2*V*d 131,072,000 + norm 2,048 = 1,100,048,384
+# phi-2: V=51200, d=2560, L=32, ffn=10240, biases on every linear, LayerNorms with biases
+#   layer = q, k, v, dense 4*(d*d+d) 26,224,640 + fc1 d*ffn+ffn 26,224,640 + fc2 ffn*d+d 26,216,960 + ln 2*d 5,120
+#           = 78,671,360; 32 layers 2,517,483,520 + embed V*d 131,072,000 + head V*d+V 131,123,200 + ln 5,120
+#   = 2,779,683,840
+# gemma-2b: V=256000, d=2048, L=18, ffn=16384, 8 heads of 256 (q, o are d x 2048), 1 kv head (k, v d x 256), tied head
+#   layer = q, o 2*d*2048 8,388,608 + k, v 2*d*256 1,048,576 + 3*d*ffn 100,663,296 + 2 norms 4,096 = 110,104,576
+#   18 layers 1,981,882,368 + V*d 524,288,000 + norm 2,048 = 2,506,172,416
 DERIVED = {
     "llama-2-7b": 6_738_415_616,
     "llama-3-8b": 8_030_261_248,
     "mistral-7b": 7_241_732_096,
     "qwen2.5-7b": 7_615_616_512,
+    "tinyllama-1.1b": 1_100_048_384,
+    "phi-2": 2_779_683_840,
+    "gemma-2b": 2_506_172_416,
 }
 
 
@@ -188,7 +201,7 @@ def _real_count(preset: str, task: str) -> int:
 def test_every_required_preset_is_shipped() -> None:
     required = {"bert-base-uncased", "bert-large-uncased", "roberta-base", "distilbert-base-uncased", "gpt2",
                 "gpt2-medium", "gpt2-large", "gpt2-xl", "t5-small", "t5-base", "llama-2-7b", "llama-3-8b",
-                "mistral-7b", "qwen2.5-7b", "vit-base-patch16-224"}
+                "mistral-7b", "qwen2.5-7b", "vit-base-patch16-224", "tinyllama-1.1b", "phi-2", "gemma-2b"}
     assert required <= set(presets())
     for name, cfg in presets().items():
         assert cfg["_source"].startswith("huggingface.co/"), name

@@ -34,10 +34,11 @@ PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
 # distributions that belong to an extra and must stay out of the core (directly and transitively)
 EXTRA_ONLY = {"fastapi", "starlette", "uvicorn", "pydantic-settings", "redis", "prometheus-client", "matplotlib",
-              "nvidia-ml-py", "pynvml", "fastapi-offline", "lightning", "pytorch-lightning", "accelerate", "keras"}
+              "nvidia-ml-py", "pynvml", "fastapi-offline", "lightning", "pytorch-lightning", "accelerate", "keras",
+              "peft", "bitsandbytes"}
 # their modules, as the library must not import them
 EXTRA_MODULES = ("fastapi", "starlette", "uvicorn", "pydantic_settings", "redis", "prometheus_client", "matplotlib",
-                 "pynvml", "fastapi_offline", "lightning", "accelerate", "keras")
+                 "pynvml", "fastapi_offline", "lightning", "accelerate", "keras", "peft", "bitsandbytes")
 
 
 # --- pyproject.toml -------------------------------------------------------------------------------------------
@@ -95,6 +96,7 @@ def test_each_extra_holds_what_its_part_imports() -> None:
     assert _names(extras["plot"]) >= {"matplotlib"}
     assert _names(extras["gpu"]) >= {"nvidia-ml-py"}
     assert _names(extras["integrations"]) >= {"lightning", "accelerate", "keras"}
+    assert _names(extras["peft"]) >= {"peft", "bitsandbytes"}
     # the tests cover the service, the plot and validation: the test extra brings every other extra
     test = _extra("test")
     selves = [r for r in test if canonicalize_name(r.name) == "batchfit"]

@@ -123,7 +123,8 @@ def test_gpu_accuracy_suite_covers_every_family_and_recipe() -> None:
     assert len(CASES) >= 20 and len(MAX_BATCH_CASES) == 5
     names = " ".join(name for name, _, _ in CASES)
     for needle in ("resnet50", "vit_b_16", "vit_l_16", "convnext", "efficientnet", "bert-base", "bert-large",
-                   "gpt2 ", "gpt2-medium", "llama-1b", "fp32", "amp-bf16", "amp-fp16", "bf16", "sgd", "ckpt"):
+                   "gpt2 ", "gpt2-medium", "llama-1b", "fp32", "amp-bf16", "amp-fp16", "bf16", "sgd", "ckpt",
+                   " lora", "qlora", "llm.int8", "adamw8bit", "paged_adamw8bit"):
         assert needle in names, needle
     for _, _, req in CASES:
         parse_request(req)  # every case is a valid request

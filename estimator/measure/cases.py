@@ -21,6 +21,12 @@ def _case(name: str, model: dict[str, Any], batch: int, precision: str = "fp32",
         **(training or {})}, "planner": {"confirm": "none", "curve_points": 0}}
 
 
+def _fine_tuned(model: dict[str, Any], r: int = 16, quantization: str | None = None) -> dict[str, Any]:
+    """``model`` with LoRA r on every linear layer (peft), and its base quantized by bitsandbytes when asked."""
+    out = {**model, "peft": {"method": "lora", "r": r, "alpha": 2 * r, "dropout": 0.05, "target_modules": "all-linear"}}
+    return out if quantization is None else {**out, "quantization": {"method": quantization}}
+
+
 def TV(name: str) -> dict[str, Any]:
     return {"source": "torchvision", "name": name}
 
@@ -58,6 +64,17 @@ CASES = [
           "amp-bf16", seq_len=2048),
     _case("llama-1b bf16 ckpt", {"source": "transformers", "config": LLAMA_1B, "task": "causal-lm"}, 8,
           "bf16", checkpointing=True, seq_len=2048),
+    # parameter-efficient and quantized fine-tuning (peft and bitsandbytes): unmeasured so far
+    _case("tinyllama lora amp-bf16", _fine_tuned(HF("tinyllama-1.1b")), 8, "amp-bf16", seq_len=2048),
+    _case("tinyllama qlora amp-bf16 ckpt", _fine_tuned(HF("tinyllama-1.1b"), quantization="bnb-4bit"), 8,
+          "amp-bf16", checkpointing=True, seq_len=2048),
+    _case("tinyllama qlora paged_adamw8bit", _fine_tuned(HF("tinyllama-1.1b"), quantization="bnb-4bit"), 4,
+          "amp-bf16", optimizer="paged_adamw8bit", seq_len=1024),
+    _case("tinyllama llm.int8 lora amp-fp16", _fine_tuned(HF("tinyllama-1.1b"), quantization="bnb-8bit"), 4,
+          "amp-fp16", seq_len=1024),
+    _case("llama-2-7b qlora bf16 ckpt", _fine_tuned(HF("llama-2-7b"), r=8, quantization="bnb-4bit"), 1, "bf16",
+          checkpointing=True, seq_len=1304),
+    _case("gpt2 adamw8bit amp-bf16", HF("gpt2"), 16, "amp-bf16", optimizer="adamw8bit", seq_len=1024),
 ]
 MAX_BATCH_CASES = ["resnet50 amp-bf16 adamw", "vit_b_16 amp-bf16", "bert-base amp-bf16", "gpt2 amp-bf16",
                    "llama-1b bf16 ckpt"]

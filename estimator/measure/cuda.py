@@ -192,9 +192,11 @@ def _child(doc: dict[str, Any]) -> Measurement:
     import torch
 
     from estimator.models import build
+    from estimator.models.meta import build_on_meta
     from estimator.request.adapt import job_of
     from estimator.request.parse import parse_request
     from estimator.simulate.step import StepHooks, cast_model, prepare, run_steps
+    from estimator.simulate.virtual_gpu.bnb import materialize_real, quantized_layers
 
     request = parse_request(doc["request"])
     batch = int(doc["batch_size"])
@@ -222,10 +224,14 @@ def _child(doc: dict[str, Any]) -> Measurement:
     device = torch.device("cuda")
     measuring = Measuring(device)
     try:
-        with device:
-            model = built.factory()
+        meta = build_on_meta(built.factory)
+        if quantized_layers(meta):  # bitsandbytes quantizes on the device, layer by layer, after the cast
+            model = materialize_real(cast_model(meta, recipe), device)
+        else:
+            with device:
+                model = cast_model(built.factory(), recipe)
         # the loop the simulation runs (estimator/simulate/step.py), for real
-        run_steps(prepare(cast_model(model, recipe), recipe, device), built.batch_factory, built.loss_fn, batch, recipe,
+        run_steps(prepare(model, recipe, device), built.batch_factory, built.loss_fn, batch, recipe,
                   device, hooks=measuring)
         peak_used = measuring.peak_used
     except torch.cuda.OutOfMemoryError as exc:

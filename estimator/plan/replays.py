@@ -39,7 +39,7 @@ class ReplayCache:
                                                             timelines=False, streams=streams)
             return known
         cap = gpu.usable_bytes(self.reserve_bytes)
-        if known is not None and known.reserved_peak <= cap:
+        if known is not None and max(known.reserved_peak, known.device_peak) <= cap:
             return known  # below the capacity no cudaMalloc fails: the same replay
         if (key, cap) not in self._capped:
             events, sizes, categories, streams = step.sized(batch, ws)

@@ -12,7 +12,8 @@ cheapest first: gradient checkpointing (recomputes the forward), the
 optimizer one parameter at a time (``foreach: false``: no parameter-sized
 temporaries at the step), pure bf16 (half the bytes of every state), an
 optimizer with less state (Adafactor for a text model, SGD without momentum
-for others), then FSDP over the fewest ranks at which a batch is
+for others), and for a transformers model the changes of method (``changes_method``: each trains another way,
+which the user must judge): 8-bit AdamW, LoRA, QLoRA; then FSDP over the fewest ranks at which a batch is
 recommended. When no single lever lands, their cumulative stack is tried
 (checkpointing + foreach off + bf16 + ...), and FSDP with it.
 """
@@ -37,6 +38,9 @@ from estimator.plan.worlds import WORLD, Worlds
 if TYPE_CHECKING:
     from estimator.plan.answer import SourceFor
 
+# the adapters and the 4-bit base the method levers suggest (peft's LoraConfig, transformers' BitsAndBytesConfig)
+LORA = {"method": "lora", "r": 16, "alpha": 16, "dropout": 0.05, "target_modules": "all-linear"}
+QLORA = {"method": "bnb-4bit", "quant_type": "nf4", "double_quant": True, "compute_dtype": "bf16"}
 FOREACH_OPTIMIZERS = frozenset({"sgd", "adam", "adamw", "adagrad", "rmsprop", "adafactor"})
 
 
@@ -67,6 +71,17 @@ def levers(options: PlanOptions, text_model: bool) -> list[Lever]:
                          "fraction of Adam's state)"))
     if not text_model and not (pulled.optimizer == "sgd" and not pulled.momentum):
         out.append(Lever({"training.optimizer": {"name": "sgd"}}, "SGD without momentum (no optimizer state)"))
+    if pulled.adaptable and pulled.optimizer in ("adam", "adamw"):
+        out.append(Lever({"training.optimizer": {"name": "adamw8bit"}}, "8-bit AdamW (bitsandbytes' block-wise "
+                         "8-bit state: about 2 B a parameter instead of 8; another optimizer, to be validated on the "
+                         "task)", method=True))
+    if pulled.adaptable and not pulled.peft:
+        out.append(Lever({"model.peft": LORA}, "LoRA r=16 on every linear layer (adapters train, the base is "
+                         "frozen: fine-tuning by another method, not the same training)", method=True))
+    if pulled.adaptable and not pulled.quantized:
+        adapters = {} if pulled.peft else {"model.peft": LORA}  # the request's own adapters, else LoRA's
+        out.append(Lever({**adapters, "model.quantization": QLORA}, "QLoRA: LoRA r=16 on an NF4 base (bitsandbytes "
+                         "4-bit, double quant; another method, with the quantization's error)", method=True))
     return out
 
 
@@ -159,10 +174,13 @@ class Suggester:
         return Suggestion(change, words, best, rec, world, changes_method=base.method)
 
     def for_card(self, card: GPU) -> list[Suggestion]:
-        """The checked changes for ``card``, cheapest first: each single lever that lands, else their first stack
-        that does; then FSDP over the fewest ranks (with that stack when FSDP alone is not enough)."""
-        out = [self._suggestion(lever, card) for lever in self.levers if self._lands(lever, card)]
-        taken = self._taken()
+        """The checked changes for ``card``, cheapest first: each single recipe lever that lands, else their first
+        stack that does; then each change of method that lands; then FSDP over the fewest ranks (with the recipe's
+        stack when FSDP alone is not enough)."""
+        landed = [lever for lever in self.levers if self._lands(lever, card)]
+        out = [self._suggestion(lever, card) for lever in landed if not lever.method]
+        # stacks combine the recipe's levers; a change of method is offered on its own, after them
+        taken = [lever for lever in self._taken() if not lever.method]
         if not out:
             for n in range(2, len(taken) + 1):
                 stack = stacked(taken[:n])
@@ -172,7 +190,8 @@ class Suggester:
         fsdp = self._fsdp([], card)
         if fsdp is None and not out and len(taken) > 1:
             fsdp = self._fsdp(taken, card)
-        return out + ([fsdp] if fsdp is not None else [])
+        methods = [self._suggestion(lever, card) for lever in landed if lever.method]
+        return out + methods + ([fsdp] if fsdp is not None else [])
 
     @property
     def simulations(self) -> int:

@@ -21,6 +21,11 @@ Rules and constants follow c10/cuda/CUDACachingAllocator.cpp (torch 2.14):
   OOM: cuDNN catches the OutOfMemoryError of a plan's workspace and takes a
   plan that needs less (Conv_v8.cpp try_configs); the cache is freed first,
   as for any failed cudaMalloc
+- an allocation in ``MANAGED_CATEGORIES`` (bitsandbytes' paged optimizer state: ``cudaMallocManaged``) is not
+  the caching allocator's: its bytes are counted apart (``managed_peak``; ``device_peak`` is the most of reserved
+  plus managed at once) and, as resident memory, against the capacity every cudaMalloc is checked against; one
+  that does not fit beside the reserved segments is an OOM (the driver could page it out, at a cost a real run
+  may or may not survive: never reported as fitting)
 - an ``EMPTY_CACHE`` event releases every cached whole segment
   (``emptyCache`` -> release_cached_blocks), as cudnn.benchmark's search does;
   with expandable segments it keeps the pages mapped (a simplification: more
@@ -52,7 +57,7 @@ from typing import NamedTuple
 from estimator.errors import ReplayError, SpecError
 from estimator.replay.recording import Action, Entry, Recording, Segment
 from estimator.replay.recording import Block as BlockState
-from estimator.trace import SOFT_CATEGORIES, Category, Trace
+from estimator.trace import MANAGED_CATEGORIES, SOFT_CATEGORIES, Category, Trace
 
 KMIN_BLOCK_SIZE = 512  # kMinBlockSize: all sizes are rounded to at least 512 bytes
 KSMALL_SIZE = 1048576  # kSmallSize: largest "small" allocation is 1 MiB
@@ -122,6 +127,8 @@ class ReplayResult:
     segments_allocated: int = 0
     cache_flushes: int = 0
     failed_mallocs: int = 0  # cudaMallocs refused for want of capacity (0: the same as an uncapped replay)
+    managed_peak: int = 0  # the most managed (paged) bytes live at once: not in reserved
+    device_peak: int = 0  # the most reserved + managed bytes at once: what the card holds (without the context)
     recording: Recording | None = field(default=None, repr=False)  # with ``record=True``
 
 
@@ -168,6 +175,7 @@ class _Allocator:
         self.pools: dict[int, list[tuple[int, int]]] = {_pool_key(0, True): [], _pool_key(0, False): []}
         self.blocks: dict[int, _Block] = {}  # free blocks by address
         self.reserved = 0
+        self.managed = 0  # live bytes outside the caching allocator that take the card's memory (MANAGED_CATEGORIES)
         self.allocated = 0
         self.next_addr = 1 << 20
         self.segments = 0
@@ -203,7 +211,7 @@ class _Allocator:
     # --- cudaMalloc / cudaFree
     def _cuda_malloc(self, small: bool, size: int, pk: int) -> _Block | None:
         cap = self.cfg.capacity
-        if cap is not None and self.reserved + size > cap:
+        if cap is not None and self.reserved + self.managed + size > cap:
             self.failed += 1
             return None
         self.reserved += size
@@ -315,7 +323,7 @@ class _Allocator:
         have = tail.size if tail is not None and not tail.allocated else 0
         grow = EXPANDABLE_PAGE * ((size - have + EXPANDABLE_PAGE - 1) // EXPANDABLE_PAGE)
         cap = self.cfg.capacity
-        if cap is not None and self.reserved + grow > cap:
+        if cap is not None and self.reserved + self.managed + grow > cap:
             self.failed += 1
             if soft:
                 # a workspace cuDNN can do without: refused here, the free pages stay mapped (this model
@@ -326,7 +334,7 @@ class _Allocator:
             tail = self.tails.get(pk)
             have = tail.size if tail is not None and not tail.allocated else 0
             grow = EXPANDABLE_PAGE * ((size - have + EXPANDABLE_PAGE - 1) // EXPANDABLE_PAGE)
-            if self.reserved + grow > cap:
+            if self.reserved + self.managed + grow > cap:
                 return None
         self.reserved += grow
         if have:
@@ -433,7 +441,27 @@ def replay_sized(events: Sequence[tuple[bool, int]], sizes: Sequence[int], categ
     oom: int | None = None
     skipped: set[int] = set()  # soft allocations that could not be had, and empty_cache calls
     special = {k for k, c in enumerate(categories) if c == EMPTY_CACHE or c in SOFT_CATEGORIES}
+    managed = {k for k, c in enumerate(categories) if c in MANAGED_CATEGORIES}
+    managed_live: set[int] = set()
+    managed_peak = device_peak = 0
+    cap = config.capacity
     for i, (is_alloc, k) in enumerate(events):
+        if managed and k in managed:  # outside the caching allocator: counted apart, against the capacity
+            if is_alloc:
+                if cap is not None and a.reserved + a.managed + sizes[k] > cap:
+                    oom = i
+                    break
+                a.managed += sizes[k]
+                managed_live.add(k)
+                managed_peak = max(managed_peak, a.managed)
+                device_peak = max(device_peak, a.reserved + a.managed)
+            else:
+                a.managed -= sizes[k]
+                managed_live.discard(k)
+            if timelines:
+                allocated.append(a.allocated)
+                reserved.append(a.reserved)
+            continue
         if is_alloc:
             if k in live or k in skipped:
                 raise ReplayError(f"event {i}: key {k} allocated twice without a free")
@@ -463,6 +491,8 @@ def replay_sized(events: Sequence[tuple[bool, int]], sizes: Sequence[int], categ
                     peak_event = i
                 if a.reserved > reserved_peak:
                     reserved_peak = a.reserved
+                if a.reserved + a.managed > device_peak:
+                    device_peak = a.reserved + a.managed
         else:
             block = live.pop(k, None)
             if block is None:
@@ -488,6 +518,8 @@ def replay_sized(events: Sequence[tuple[bool, int]], sizes: Sequence[int], categ
                 at_peak.discard(k)
         for k in at_peak & block_size.keys():  # not the skipped ones
             breakdown[categories[k]] = breakdown.get(categories[k], 0) + block_size[k]
+        for k in at_peak & managed:  # managed bytes as requested: no blocks
+            breakdown[categories[k]] = breakdown.get(categories[k], 0) + sizes[k]
     return ReplayResult(
         allocated_peak=alloc_peak,
         reserved_peak=reserved_peak,
@@ -500,6 +532,8 @@ def replay_sized(events: Sequence[tuple[bool, int]], sizes: Sequence[int], categ
         segments_allocated=a.segments,
         cache_flushes=a.flushes,
         failed_mallocs=a.failed,
+        managed_peak=managed_peak,
+        device_peak=device_peak,
         recording=None if recorder is None else recorder.finish(live),
     )
 

@@ -33,6 +33,9 @@ class Breakdown:
     workspace: int = 0
     communication: Annotated[int, Field(description="distributed training: DDP's gradient buckets, FSDP's "
                                         "all-gather and reduce-scatter buffers")] = 0
+    paged_optimizer_state: Annotated[int, Field(description="bitsandbytes' paged optimizers: state in CUDA unified "
+                                                "memory, outside the caching allocator (in device_peak_bytes, not "
+                                                "in reserved_peak_bytes)")] = 0
     batch_size: Annotated[int, Field(description="the batch this breakdown is for")] = 0
 
     @classmethod
@@ -47,13 +50,14 @@ class Breakdown:
             buffers=by_cat.get(Category.BUFFER, 0),
             workspace=by_cat.get(Category.WORKSPACE, 0) + by_cat.get(Category.CONV_WORKSPACE, 0),
             communication=by_cat.get(Category.COMMUNICATION, 0),
+            paged_optimizer_state=by_cat.get(Category.PAGED_OPTIMIZER_STATE, 0),
             batch_size=batch_size,
         )
 
     def total(self) -> int:
         """Every byte of the breakdown."""
         return (self.parameters + self.gradients + self.optimizer_state + self.activations + self.temporaries
-                + self.inputs + self.buffers + self.workspace + self.communication)
+                + self.inputs + self.buffers + self.workspace + self.communication + self.paged_optimizer_state)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,7 +67,8 @@ class MemoryAtBatch:
     batch_size: int
     allocated_peak_bytes: Annotated[int, Field(description="torch.cuda.max_memory_allocated()")]
     reserved_peak_bytes: Annotated[int, Field(description="torch.cuda.max_memory_reserved()")]
-    device_peak_bytes: Annotated[int, Field(description="nvidia-smi: reserved + CUDA context")]
+    device_peak_bytes: Annotated[int, Field(description="nvidia-smi: reserved + CUDA context (+ paged optimizer "
+                                            "state, resident)")]
     fits: bool
     peak_phase: Annotated[str, Field(description="phase of the step where the allocated peak falls")] = ""
     peak_module: Annotated[str, Field(description="module running at the allocated peak")] = ""
@@ -174,7 +179,8 @@ def report_from_replays(
     ]
     return MemoryReport(
         gpu=gpu.name, batch_size=batch_size, allocated_peak_bytes=shown.allocated_peak,
-        reserved_peak_bytes=shown.reserved_peak, device_peak_bytes=shown.reserved_peak + gpu.context_bytes,
+        reserved_peak_bytes=shown.reserved_peak, device_peak_bytes=max(shown.device_peak, shown.reserved_peak)
+        + gpu.context_bytes,
         context_bytes=gpu.context_bytes, capacity_bytes=gpu.usable_bytes(reserve_bytes), fits=capped.fits,
         breakdown=Breakdown.from_categories(shown.breakdown_at_peak, batch_size), peak_phase=phase,
         peak_module=module, peak_iteration=iteration, unsupported=list(unsupported), assumptions=notes, trace=trace,

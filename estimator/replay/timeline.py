@@ -92,6 +92,7 @@ def category_timeline(events: Sequence[tuple[bool, int]], sizes: Sequence[int], 
     """Live requested bytes per category (``ORDER``) after each event, or after each of ``points`` (ascending)."""
     slot: dict[str, int] = {c: i for i, c in enumerate(ORDER)}
     slot[Category.CONV_WORKSPACE] = slot[Category.WORKSPACE]
+    slot[Category.PAGED_OPTIMIZER_STATE] = slot[Category.OPTIMIZER_STATE]  # managed memory, as optimizer state
     other = slot[Category.TEMPORARY]
     live = [0] * len(ORDER)
     out: list[list[int]] = [[] for _ in ORDER]

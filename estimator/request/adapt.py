@@ -92,13 +92,23 @@ def plan_of(request: EstimateRequest) -> PlanOptions:
         base_batch=p.base_batch, batch_schedule=tuple(p.batch_schedule or ()), accumulation=t.grad_accumulation_steps,
     )
     levers = Levers(checkpointing=bool(t.gradient_checkpointing), precision=t.precision, optimizer=t.optimizer.name,
-                    momentum=bool(t.optimizer.momentum), foreach=t.optimizer.foreach, strategy=d.strategy)
+                    momentum=bool(t.optimizer.momentum), foreach=t.optimizer.foreach, strategy=d.strategy,
+                    adaptable=_adaptable(request), peft=getattr(request.model, "peft", None) is not None,
+                    quantized=getattr(request.model, "quantization", None) is not None)
     return PlanOptions(
         batch_size=request.batch_size, align=p.align, confirm=ConfirmMode(p.confirm), reserve_bytes=p.reserve_bytes,
         headroom=p.headroom, suggestions=p.suggestions, max_seq_len=p.max_seq_len, strategy=d.strategy,
         world_size=d.world_size if isinstance(d.world_size, int) else None,
         grad_accumulation_steps=t.grad_accumulation_steps, zero_grad_at=t.zero_grad_at, advice=advice, levers=levers,
     )
+
+
+def _adaptable(request: EstimateRequest) -> bool:
+    """The model section takes ``peft`` and ``quantization`` (transformers) and the libraries are installed (the
+    ``peft`` extra), so that the planner may suggest them."""
+    from importlib.util import find_spec
+
+    return "peft" in type(request.model).model_fields and all(find_spec(m) for m in ("peft", "bitsandbytes"))
 
 
 def _compute_dtype(request: EstimateRequest) -> tuple[str, str]:

@@ -2,7 +2,8 @@
 
 ``foreach``/``fused`` left as ``None`` are decided by torch itself
 (``_default_to_fused_or_foreach``), which the virtual GPU answers as a real
-GPU would (docs/DESIGN.md, fact 6). Adafactor is ``torch.optim.Adafactor``.
+GPU would (docs/DESIGN.md, fact 6). Adafactor is ``torch.optim.Adafactor``; the 8-bit and paged ones are
+bitsandbytes' own (``estimator.simulate.bnb_optimizers``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 import torch
 
 from estimator.errors import SpecError
+from estimator.simulate import bnb_optimizers
 from estimator.simulate.recipe import Recipe
 
 _CLASSES = {
@@ -29,7 +31,10 @@ _DEFAULT_LR = {"sgd": 0.1, "adagrad": 0.01, "rmsprop": 0.01, "adafactor": 0.01}
 def optimizer_class_and_kwargs(recipe: Recipe) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
     """The ``torch.optim`` class for ``recipe.optimizer`` and the keyword arguments it is built with
     (also what a ``ZeroRedundancyOptimizer`` is given, estimator/testing/distributed_truth.py)."""
-    cls = _CLASSES[recipe.optimizer]
+    if recipe.optimizer in bnb_optimizers.NAMES:
+        cls = bnb_optimizers._simulable(recipe.optimizer)
+    else:
+        cls = _CLASSES[recipe.optimizer]
     kwargs: dict[str, Any] = {"lr": _DEFAULT_LR.get(recipe.optimizer, 1e-3)}
     kwargs.update({k: v for k, v in recipe.optimizer_kwargs.items() if v is not None})
     if recipe.optimizer == "sgd" and kwargs.get("nesterov") and not kwargs.get("momentum"):

@@ -20,7 +20,9 @@ if TYPE_CHECKING:
 
 # Each vocabulary once: the request schema (estimator/request/spec.py) uses these aliases.
 Precision = Literal["fp32", "amp-fp16", "amp-bf16", "bf16"]
-OptimizerName = Literal["sgd", "adam", "adamw", "adagrad", "rmsprop", "adafactor"]
+# the last three are bitsandbytes' (8-bit block-wise state; paged: CUDA unified memory)
+OptimizerName = Literal["sgd", "adam", "adamw", "adagrad", "rmsprop", "adafactor", "adamw8bit", "paged_adamw8bit",
+                        "paged_adamw32bit"]
 Checkpointing = bool | Literal["reentrant", "non-reentrant", "selective"]
 ZeroGradAt = Literal["step-start", "after-forward"]
 Strategy = Literal["none", "ddp", "fsdp", "zero1"]

@@ -28,6 +28,8 @@ from estimator.gpus import GPU
 from estimator.models import BatchFactory, BuiltModel, LossFn, ModelFactory, OnDevice, OptimizerFn, StepFn
 from estimator.models.meta import build_on_meta
 from estimator.simulate.accumulation import Cut, expand, micro_steps_in_trace, repeats
+from estimator.simulate.bnb_optimizers import ASSUMPTION as PAGED_ASSUMPTION
+from estimator.simulate.bnb_optimizers import is_paged
 from estimator.simulate.distributed import (
     NCCL_ASSUMPTION,
     gathered_parameters,
@@ -39,6 +41,9 @@ from estimator.simulate.distributed import (
 from estimator.simulate.recipe import Recipe
 from estimator.simulate.step import StepHooks, cast_model, prepare, run_steps
 from estimator.simulate.virtual_gpu import Shortcuts, VirtualGPU
+from estimator.simulate.virtual_gpu.bnb import ASSUMPTION as BNB_ASSUMPTION
+from estimator.simulate.virtual_gpu.bnb import flops as bnb_flops
+from estimator.simulate.virtual_gpu.bnb import internals as bnb_internals
 from estimator.simulate.virtual_gpu.cpu_conv import CpuConvColumns
 from estimator.simulate.virtual_gpu.cudnn import ASSUMPTION as CUDNN_ASSUMPTION
 from estimator.simulate.virtual_gpu.cudnn import BENCHMARK_ASSUMPTION, COLUMNS, WORKSPACE, ConvWorkspaces
@@ -65,8 +70,10 @@ class Recorder:
     """Observes every op on the virtual GPU and records storage lifetimes (the GPU's ``Observer``)."""
 
     def __init__(self, device_type: str, workspace_bytes: int, convs: ConvWorkspaces | CpuConvColumns | None = None,
-                 *, streams: Streams, every_micro_step: bool = False) -> None:
+                 *, streams: Streams, every_micro_step: bool = False,
+                 capability: tuple[int, int] | None = None) -> None:
         self.device_type = device_type
+        self.capability = capability  # the card's: which path bitsandbytes' CUDA kernels take (None: the CPU)
         self.rnn_calls = 0  # cuDNN RNN calls (_cudnn_rnn and its backward): what they allocate inside is recorded
         self.every_micro_step = every_micro_step
         self.trace = Trace()
@@ -139,6 +146,13 @@ class Recorder:
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type == self.device_type:
                 self.track(t, name)
+        if getattr(func, "namespace", "") == "bitsandbytes":
+            if self.phase in _COUNTED_PHASES:  # the flop counter has no formula for bitsandbytes' matmuls
+                key = (self.iteration, self.micro)
+                self.micro_flops[key] = self.micro_flops.get(key, 0) + bnb_flops(name, args)
+            if self.capability is not None:
+                self._internals(name, bnb_internals(name, args, kwargs, self.capability))
+            return
         if name in _CUDNN_RNN_OPS and self.device_type == "cuda":
             self._cudnn_rnn(name, args, out)
             return
@@ -157,6 +171,17 @@ class Recorder:
             for kind, nbytes in self.convs.actions(name, args, out, thread):
                 # freed as the call returns: transient, but its block stays cached
                 self._transient(nbytes, f"{kind}[{name}]", _CONV_CATEGORY[kind])
+
+    def _internals(self, name: str, events: list[tuple[bool, str, int]]) -> None:
+        """What a kernel allocates and frees inside, after its outputs (bitsandbytes' CUDA kernels)."""
+        held: dict[str, list[int]] = {}
+        for allocate, label, nbytes in events:
+            if allocate:
+                held.setdefault(label, []).append(self._alloc(nbytes, f"{label}[{name}]", Category.TEMPORARY))
+            else:
+                aid = held[label].pop()
+                self.trace.events.append((False, aid))
+                self.live_bytes -= self.trace.allocations[aid].nbytes
 
     def _cudnn_rnn(self, name: str, args: Any, out: Any) -> None:
         """A cuDNN RNN call: its FLOPs, and what it allocates and frees inside (workspaces, contiguous copies,
@@ -323,6 +348,8 @@ class Recorder:
                 f"{accumulation}")
         if self.rnn_calls:
             trace.assumptions.append(RNN_ASSUMPTION)
+        if any(a.category == Category.PAGED_OPTIMIZER_STATE for a in trace.allocations):
+            trace.assumptions.append(PAGED_ASSUMPTION)
         trace.assumptions.extend(notes.kernels)
         trace.unsupported.extend(notes.unsupported)
         self.trace.sdpa_calls = list(notes.sdpa_calls)
@@ -374,7 +401,9 @@ class SimulationHooks(StepHooks):
 
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
         local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer: this rank's optimizer
-        self.recorder.mark(tree_leaves(list(local.state.values())), Category.OPTIMIZER_STATE)
+        state = tree_leaves(list(local.state.values()))
+        self.recorder.mark((t for t in state if not is_paged(t)), Category.OPTIMIZER_STATE)
+        self.recorder.mark(filter(is_paged, state), Category.PAGED_OPTIMIZER_STATE)  # bitsandbytes' paged buffers
 
 
 class _ModuleTracker:
@@ -478,7 +507,8 @@ def record_training(
     columns = CpuConvColumns() if gpu is None else None  # the CPU target's slow kernels' im2col buffers
     streams = Streams()  # the virtual GPU's streams, which the recorder reads
     recorder = Recorder("cuda" if gpu is not None else "cpu", gpu.cublas_workspace_bytes if gpu is not None else 0,
-                        convs or columns, streams=streams, every_micro_step=every_micro_step)
+                        convs or columns, streams=streams, every_micro_step=every_micro_step,
+                        capability=gpu.capability if gpu is not None else None)
     vgpu = VirtualGPU(gpu, observer=recorder, worst_case=WorstCase(recorder.module) if worst_case else None,
                       subclass_like=subclass_like, cpp_engine=cpp_engine, shortcuts=shortcuts,
                       distributed=recipe.distributed.active, routing=routing, streams=streams)
@@ -499,7 +529,8 @@ def record_training(
             setup.append(_call(Phase.SETUP, functools.partial(shard, meta_model, d, mesh), recorder))
             model = vgpu.materialize_sharded(meta_model)
         else:
-            model = vgpu.materialize(meta_model)
+            model, quant_state = vgpu.materialize_quantized(meta_model)
+            recorder.mark(quant_state, Category.PARAMETER)  # a quantized weight's absmax and code tables
         if on_device is not None:
             _call(Phase.SETUP, functools.partial(on_device, model), recorder)
         recorder.mark(model.parameters(), Category.PARAMETER)
@@ -532,6 +563,8 @@ def _kernel_lines(vgpu: VirtualGPU, convs: ConvWorkspaces | None, recipe: Recipe
             lines.append(BENCHMARK_ASSUMPTION)
     if vgpu.gpu is not None:
         lines.extend(vgpu.grouped_mm.assumptions(vgpu.gpu.name))
+    if vgpu.quantized:
+        lines.append(BNB_ASSUMPTION)
     return lines
 
 

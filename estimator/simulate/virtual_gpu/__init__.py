@@ -29,6 +29,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from estimator.errors import DataDependentError
 from estimator.gpus import GPU
+from estimator.simulate.virtual_gpu import bnb
 from estimator.simulate.virtual_gpu.attention import make_sdpa
 from estimator.simulate.virtual_gpu.cudnn_rnn import CudnnRnns
 from estimator.simulate.virtual_gpu.device import DeviceProperties, Patches, patch_cuda_queries
@@ -125,6 +126,8 @@ class _DispatchMode(TorchDispatchMode):
             return vgpu._scalar(args[0])
         policy = vgpu.worst_case
         out = vgpu.grouped_mm.dispatch(func, args, kwargs)  # docs/DESIGN.md, fact 21
+        if out is NotImplemented and getattr(func, "namespace", "") == "bitsandbytes":
+            out = bnb.dispatch(func, args, kwargs)  # LLM.int8()'s outlier columns
         if out is NotImplemented:  # MoE routing first: its policy is the request's, the worst case a fallback
             out = vgpu.routing.dispatch(func, args, kwargs)
         if out is NotImplemented and policy is not None:
@@ -228,6 +231,7 @@ class VirtualGPU:
         # Tests only: leave torch's C++ engine in charge (works for fake CPU tensors).
         self.cpp_engine = cpp_engine and gpu is None
         self.unsupported: list[str] = []
+        self.quantized = False  # bitsandbytes' quantized layers were materialized
         self.streams = streams or Streams()  # which stream allocates: one allocator pool per stream
         self.rnns = CudnnRnns()  # cuDNN's RNN path (docs/DESIGN.md, fact 20)
         self._patches = Patches()
@@ -261,6 +265,11 @@ class VirtualGPU:
                 name = "_get_post_forward_mesh_info"
                 p.set(fsdp, name, _outside_modes(getattr(fsdp, name)))
             p.set(torch.autograd.function.Function, "apply", self._wrap_function_apply())
+            if bnb.loaded():  # MatMul8bitLt logs its fp16 cast on every call: once per layer and step here
+                import logging
+
+                p.set(logging.getLogger("bitsandbytes.autograd._functions"), "disabled", True)
+                bnb.patch_peft(p)
             p.set(torch.nn.Module, "_apply", module_apply(torch.nn.Module._apply))
             # copy.deepcopy of a fake tensor: one of this mode, its copy recorded (fake_mode.deepcopy_fake)
             p.set(FakeTensor, "__deepcopy__", deepcopy_fake)
@@ -333,6 +342,13 @@ class VirtualGPU:
             for mod, name in rest:
                 mod._parameters[name] = keep
         return module
+
+    def materialize_quantized(self, module: torch.nn.Module) -> tuple[torch.nn.Module, list[torch.Tensor]]:
+        """``materialize``, with bitsandbytes' quantized layers quantized on the device (virtual_gpu/bnb.py); the
+        quantized weights' state tensors besides their parameters."""
+        state = bnb.materialize(module, self.materialize, self.device)
+        self.quantized = self.quantized or bool(state)
+        return module, state
 
     def materialize_sharded(self, module: torch.nn.Module) -> torch.nn.Module:
         """A meta module whose parameters are DTensors (FSDP2's shards) onto the virtual device, as

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 from pydantic import BaseModel, Field
 
 from estimator.models.allowed import check_config, refuse_paths
+from estimator.models.peft import PeftSpec, QuantizationSpec, check_fine_tuning
 from estimator.models.registry import ModelSource, register
 from estimator.models.spec import STRICT, InputSpec, JSONValue
 
@@ -54,6 +55,12 @@ class TransformersModel(BaseModel):
     moe_routing: MoeRouting = Field(
         "balanced", description="tokens per expert, which a real router decides from the data: balanced (tokens x "
         "top-k spread evenly over the experts) or worst-case (every token to the same top-k experts)")
+    peft: PeftSpec | None = Field(None, description="train adapters instead of the whole model: LoRA or DoRA "
+                                       "through peft's own get_peft_model (the base frozen)",
+                                       examples=[{"method": "lora", "r": 16, "target_modules": "all-linear"}])
+    quantization: QuantizationSpec | None = Field(
+        None, description="the frozen base's linear layers quantized by bitsandbytes (needs model.peft): 'bnb-4bit' "
+        "(QLoRA's NF4) or 'bnb-8bit' (LLM.int8())", examples=[{"method": "bnb-4bit", "quant_type": "nf4"}])
 
 
 @lru_cache(maxsize=1)
@@ -81,6 +88,7 @@ def _check_names(spec: TransformersModel) -> None:
             raise unknown_name("model.preset", spec.preset, sorted(presets()), f"a batchfit preset (GET /models){hub}")
     if spec.config is not None:
         check_config(spec.config)
+    check_fine_tuning(spec.peft, spec.quantization)
 
 
 def _build(spec: TransformersModel, inp: InputSpec) -> BuiltModel:
@@ -97,4 +105,4 @@ def _listing() -> dict[str, Any]:
 
 
 register(ModelSource("transformers", TransformersModel, _build, _check_names, _listing,
-                     libraries=("transformers",)))
+                     libraries=("transformers", "peft", "bitsandbytes")))

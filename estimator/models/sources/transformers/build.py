@@ -12,8 +12,9 @@ from typing import Any
 import torch
 
 from estimator.errors import SpecError
-from estimator.models import BuiltModel, tasks
+from estimator.models import BuiltModel, peft, tasks
 from estimator.models.building import check_seq_len, count_parameters, given_values, probe, unknown_name
+from estimator.models.meta import build_on_meta
 from estimator.models.sources.transformers import Task, TransformersModel, presets
 from estimator.models.sources.transformers.checks import (
     NO_KERNEL,
@@ -81,6 +82,15 @@ def _model_config(config: Any, model_class: type, assumptions: list[str]) -> Any
     return config
 
 
+def _fine_tuned(model: Any, spec: TransformersModel, task: Task, lines: list[str]) -> Any:
+    """The model quantized and wrapped with adapters as the request asks (estimator/models/peft.py)."""
+    if spec.quantization is not None:
+        model = peft.quantize(model, spec.quantization, lines)
+    if spec.peft is not None:
+        model = peft.adapt(model, spec.peft, task, lines)
+    return model
+
+
 def build_transformers(spec: TransformersModel, inp: InputSpec) -> BuiltModel:
     import transformers
     from transformers import AutoConfig
@@ -133,7 +143,7 @@ def build_transformers(spec: TransformersModel, inp: InputSpec) -> BuiltModel:
     if task != "image-classification":
         check_trains(model_class, model_type, task)
 
-    def factory():
+    def base_factory():
         # A config's torch_dtype is how the checkpoint is stored; training keeps
         # fp32 master weights (the recipe's precision decides the rest). The explicit None also undoes the
         # previous build's choice, which transformers leaves on the (shared) config.
@@ -147,8 +157,13 @@ def build_transformers(spec: TransformersModel, inp: InputSpec) -> BuiltModel:
             raise SpecError("model.attn_implementation", spec.attn_implementation,
                             f"eager or null ({found.group(1)}, inside {name}, has no such kernel)") from exc
 
+    def factory():
+        return _fine_tuned(base_factory(), spec, task, [])
+
     name = spec.preset or model_type
-    model = probe(factory, "model.config", spec.config)
+    model = probe(base_factory, "model.config", spec.config)
+    if spec.peft is not None:  # built once on meta here, so that a bad adapter option fails before a simulation
+        build_on_meta(lambda: _fine_tuned(base_factory(), spec, task, assumptions))
     assumptions.append(attention_line(model, spec.attn_implementation))
     assumptions.extend(experts_lines(model, spec))
     assumptions.extend(kernel_lines(model, name))
