@@ -363,3 +363,16 @@ def test_an_inline_profile_of_many_allocations_is_answered_as_by_id(client) -> N
     by_id = client.post("/estimate", json={"profile": key, "gpus": ["T4-16GB"]})
     assert by_id.json()["results"] == inline.json()["results"]
     assert inline.json()["results"][0]["max_batch_size"] > 1000  # one activation live at a time: 512 B a sample
+
+
+def test_estimate_by_profile_streams_its_answer(client, custom) -> None:
+    key = client.post("/profiles", json=custom["doc"]).json()["id"]
+    body = {"profile": key, "gpus": ["V100-16GB"]}  # a card no other test asks: not in the cache yet
+    streamed = client.post("/estimate", json=body, headers={"Accept": "text/event-stream"})
+    assert streamed.status_code == 200 and streamed.headers["content-type"].startswith("text/event-stream")
+    events = [block.split("\n") for block in streamed.text.strip().split("\n\n")]
+    assert events[-1][0] == "event: result"
+    result = json.loads(events[-1][1].removeprefix("data: "))
+    assert result["results"][0]["search"]["method"] == "profile"
+    plain = client.post("/estimate", json=body)
+    assert plain.headers["x-batchfit-cache"] == "hit" and plain.json() == result
