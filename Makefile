@@ -44,6 +44,10 @@ bench: $(STAMP)
 	$(PY) bench/planner_speed.py --skip-every-card
 	$(PY) bench/cold_speed.py
 
+# Published fine-tuning figures (LitGPT's 2023 Llama 2 7B LoRA/QLoRA table on an A100-40GB): predicted / published.
+published-peft: $(STAMP)
+	$(PY) bench/litgpt_tables.py --bnb-2023
+
 # The coverage sweep: every transformers causal/masked/seq2seq-LM and image-classification type and
 # 100 seeded timm names, one simulated step each; prints simulates / 422 / fails per task and the failure reasons.
 coverage: $(STAMP)

@@ -8,9 +8,11 @@ the head too (``skip_modules: []``), without peft's
 ``prepare_model_for_kbit_training`` (LitGPT keeps its norms in bf16). batchfit runs transformers' LlamaForCausalLM (the ``llama-2-7b``
 preset) with peft and bitsandbytes 0.50.2, not LitGPT's own model code.
 
-``--bnb-2023`` also runs QLoRA with ``MatMul4Bit`` saving its input for backward, as bitsandbytes 0.41
-(LitGPT's, 2023) did (``ctx.tensors = (A, B)``); 0.50.2 saves ``(None, B)``: a frozen weight's gradient is
-never asked for, so the layer input is not needed. Prints one line per case: predicted / published.
+``--bnb-2023`` also runs QLoRA with ``MatMul4Bit`` saving its input for backward, as bitsandbytes did until
+0.43.2 (LitGPT's 0.41 in 2023: ``ctx.tensors = (A, B)``); bitsandbytes-foundation/bitsandbytes 9e753741
+(PR #1270, 2024-07-16, "fix QLoRA mem bug: delete useless buffered activation") keeps ``(None, B)``: a
+frozen weight's gradient is never asked for, so the layer input is not needed. 0.50.2, which batchfit runs,
+has the fix. Prints one line per case: predicted / published.
 
     .venv/bin/python bench/litgpt_tables.py [--bnb-2023]
 """
