@@ -4,9 +4,9 @@ LitGPT (lit-gpt, 2023; ../shared/research/peft-notes.md): bf16-true, Alpaca, the
 tokens, ``torch.cuda.max_memory_allocated()``. Its defaults assumed here: LoRA r=8, alpha=16, dropout 0.05
 on the query and value projections only (``lora_query``, ``lora_value``), AdamW (torch's, on the adapters,
 in bf16 as the model is), no activation checkpointing; QLoRA ``bnb.nf4`` quantizes every linear layer,
-the head too (``skip_modules: []``), without peft's
-``prepare_model_for_kbit_training`` (LitGPT keeps its norms in bf16). batchfit runs transformers' LlamaForCausalLM (the ``llama-2-7b``
-preset) with peft and bitsandbytes 0.50.2, not LitGPT's own model code.
+the head too (``skip_modules: []``), without peft's ``prepare_model_for_kbit_training`` (LitGPT keeps its
+norms in bf16). batchfit runs transformers' LlamaForCausalLM (the ``llama-2-7b`` preset) with peft and
+bitsandbytes 0.50.2, not LitGPT's own model code.
 
 ``--bnb-2023`` also runs QLoRA with ``MatMul4Bit`` saving its input for backward, as bitsandbytes did until
 0.43.2 (LitGPT's 0.41 in 2023: ``ctx.tensors = (A, B)``); bitsandbytes-foundation/bitsandbytes 9e753741
