@@ -25,11 +25,12 @@ WORKDIR /opt/batchfit
 # 1. The dependencies, from pyproject.toml alone, so that this layer (torch's CUDA build, ~3 GB) is rebuilt only
 #    when pyproject.toml changes. Empty packages and README stand in for the source while pip builds the project.
 #    torch==2.14.1 from PyPI is the CUDA build (docs/DESIGN.md, fact 1); the gpu extra (NVML) serves validation
-#    on a GPU node (docker-compose.yml's batchfit-gpu runs this same image).
+#    on a GPU node (docker-compose.yml's batchfit-gpu runs this same image); the peft extra (peft, bitsandbytes)
+#    answers LoRA, QLoRA and the 8-bit optimizers (model.peft, model.quantization).
 COPY pyproject.toml ./
 RUN mkdir estimator app \
     && touch README.md estimator/__init__.py app/__init__.py \
-    && pip install '.[service,gpu]' \
+    && pip install '.[service,gpu,peft]' \
     && rm -rf README.md estimator app build ./*.egg-info
 
 # 2. The source: a code change rebuilds only this layer (no dependency is downloaded again).

@@ -157,6 +157,13 @@ def test_the_service_imports_only_what_core_and_service_install() -> None:
         assert dists & declared, f"app/ imports {module} ({', '.join(sorted(dists))}): not in core or service"
 
 
+
+def test_the_image_installs_what_a_request_can_ask_of_the_service() -> None:
+    # model.peft and model.quantization come over HTTP too: the image answers them (the peft extra)
+    installed = re.search(r"pip install '\.\[([a-z,]+)\]'", (ROOT / "Dockerfile").read_text())
+    assert installed, "the Dockerfile installs the project with its extras"
+    assert {"service", "gpu", "peft"} <= set(installed.group(1).split(","))
+
 # the drop-ins are their frameworks' (a Lightning callback subclasses Lightning's): importing one asks for its
 # library, which names the extra when missing (test_an_integration_without_its_library_names_the_extra)
 FRAMEWORK_MODULES = {f"estimator/integrations/{name}.py"
