@@ -78,19 +78,18 @@ async def post_estimate(request: Request, body: EstimateBody) -> Any:
     check_request(body, allow_local_code=False)
     if body.validate_step:
         return await _validate(request, body)
-    if wants_events(request):  # Accept: text/event-stream: progress, then the answer (app/stream.py)
-        return await estimate_events(request, body)
-    answered = await _pooled(request, body, JobKind.ESTIMATE)
-    if isinstance(answered, Response):
-        return answered
-    payload, cache = answered
-    return JSONResponse(payload, headers={"X-Batchfit-Cache": cache})
+    return await _estimated(request, body)
 
 
 async def _by_profile(request: Request, body: ProfileEstimateRequest) -> Any:
     """An estimate from a stored profile (by id: 404 when the store has none) or an inline one (checked here:
     a bad one is a 422, as when it is stored); never built, never simulated."""
-    job = await profile_job_of(request.app, body)
+    return await _estimated(request, await profile_job_of(request.app, body))
+
+
+async def _estimated(request: Request, job: EstimateRequest | ProfileJob) -> Any:
+    """``job``'s estimate from a worker: streamed with Accept: text/event-stream (progress, then the answer:
+    app/stream.py), else the answer with its X-Batchfit-Cache header."""
     if wants_events(request):
         return await estimate_events(request, job)
     answered = await _pooled(request, job, JobKind.ESTIMATE)
