@@ -43,6 +43,17 @@ OptimizerFn = Callable[["torch.nn.Module"], "torch.optim.Optimizer"]
 OnDevice = Callable[["torch.nn.Module"], None]
 
 
+@dataclass(frozen=True)
+class Depth:
+    """A model whose blocks repeat (estimator/simulate/depth.py): how many (``layers``), the module path of
+    their ``ModuleList`` (``container``, e.g. ``model.layers``) and the same model built with ``n`` of them
+    (``at(n)``)."""
+
+    layers: int
+    container: str
+    at: Callable[[int], BuiltModel]
+
+
 @dataclass
 class BuiltModel:
     """What the simulator needs: call ``factory()`` under ``torch.device("meta")``.
@@ -67,6 +78,7 @@ class BuiltModel:
     step_fn: StepFn | None = None
     optimizer_fn: OptimizerFn | None = None
     on_device: OnDevice | None = None
+    depth: Depth | None = None  # blocks that repeat: a step simulated shallow and deepened
 
     def mark_worst_case(self) -> None:
         """A step of this model turned out to need the worst-case policy: every later simulation uses it."""

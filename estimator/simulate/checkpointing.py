@@ -207,15 +207,16 @@ def _recompute_shapes(block: torch.nn.Module, block_name: str) -> frozenset[tupl
 def _no_kv_cache(model: torch.nn.Module) -> bool:
     """Turn off transformers' KV cache, as transformers does under its own checkpointing.
 
-    A layer that writes the cache would write it again when recomputed in backward.
+    A layer that writes the cache would write it again when recomputed in backward. True when the model has
+    the cache at all (off already when an earlier build of the same config turned it off: the builds share it).
     """
-    changed = False
+    found = False
     for m in model.modules():
         config = getattr(m, "config", None)
-        if config is not None and getattr(config, "use_cache", False) is True:
+        if config is not None and isinstance(getattr(config, "use_cache", None), bool):
             config.use_cache = False
-            changed = True
-    return changed
+            found = True
+    return found
 
 
 def _enable_selective(model: torch.nn.Module) -> str:

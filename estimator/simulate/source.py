@@ -22,9 +22,9 @@ from estimator.gpus import GPU
 from estimator.models import BuiltModel
 from estimator.plan.steps import ModelFacts, Seed
 from estimator.simulate import background
+from estimator.simulate.depth import Deepener
 from estimator.simulate.distributed import candidate_ranks_of
 from estimator.simulate.recipe import Recipe
-from estimator.simulate.record import record_built
 from estimator.simulate.sdpa_choice import backends_key
 from estimator.trace import Trace
 
@@ -53,6 +53,7 @@ class Simulator:
         self.rank_note: str | None = None  # which rank stands for the world, and why (every trace's assumption)
         # ``keep``: every trace simulated, by (batch, signature), for ``step`` to hand out again
         self.kept: dict[tuple[int, tuple], Trace] | None = {} if keep else None
+        self.deepener = Deepener(built)  # each simulation: three shallow ones where the blocks repeat
 
     def signature(self, gpu: GPU) -> tuple:
         probe = self._probe
@@ -91,7 +92,7 @@ class Simulator:
         if len(self._resolve_ranks()) > 1:
             return self._pick_rank(batch, gpu)
         self.runs += 1
-        return record_built(self.built, batch, self.recipe, gpu, notes=[self.rank_note] if self.rank_note else [])
+        return self.deepener.record(batch, self.recipe, gpu, notes=[self.rank_note] if self.rank_note else [])
 
     def _resolve_ranks(self) -> list[int]:
         """The ranks a distributed step may need the most on; with one, the recipe stands for it."""
@@ -108,9 +109,9 @@ class Simulator:
     def _pick_rank(self, batch: int, gpu: GPU) -> Trace:
         """Simulate each candidate rank at ``batch`` once; the one whose step needs more stands for the
         world from then on (estimator/simulate/distributed: uneven shards)."""
-        b, d = self.built, self.recipe.distributed
-        traces = {r: record_built(b, batch, dataclasses.replace(self.recipe, distributed=d.at(d.world_size, r)), gpu)
-                  for r in self._ranks or ()}
+        d = self.recipe.distributed
+        traces = {r: self.deepener.record(batch, dataclasses.replace(self.recipe, distributed=d.at(d.world_size, r)),
+                                          gpu) for r in self._ranks or ()}
         self.runs += len(traces)
         peaks = {r: t.live_peak()[0] for r, t in traces.items()}
         rank = max(peaks, key=lambda r: (peaks[r], -r))
@@ -130,7 +131,7 @@ class Simulator:
             return
         if background.enabled() and (batch, gpu) not in self._pending:
             note = [self.rank_note] if self.rank_note else []
-            job = background.Background(lambda: record_built(self.built, batch, self.recipe, gpu, notes=note))
+            job = background.Background(lambda: self.deepener.record(batch, self.recipe, gpu, notes=note))
             self._pending[batch, gpu] = (job, time.perf_counter())
 
     def _collect(self, batch: int, gpu: GPU) -> Trace | None:

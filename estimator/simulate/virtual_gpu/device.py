@@ -7,6 +7,7 @@ answers describe the target card, and the memory counters read the trace.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -78,7 +79,10 @@ def patch_cuda_queries(patches: Patches, props: DeviceProperties, memory: Memory
 
     def told(name: str, answer):
         def query(*args, **kwargs):
-            on_query(name)
+            # bitsandbytes' import asks once per process (cuda_specs, to pick its library; cached by the
+            # import): heard, it would set the first trace of a process apart from the same step's others
+            if sys._getframe(1).f_globals.get("__name__") != "bitsandbytes.cuda_specs":
+                on_query(name)
             return answer() if callable(answer) else answer
         return query
     patches.set(cuda, "is_available", lambda: True)

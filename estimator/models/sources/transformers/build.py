@@ -7,12 +7,15 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from estimator.errors import SpecError
-from estimator.models import BuiltModel, peft, tasks
+from estimator.models import BuiltModel, Depth, peft, tasks
 from estimator.models.building import check_seq_len, count_parameters, given_values, probe, unknown_name
 from estimator.models.meta import build_on_meta
 from estimator.models.sources.transformers import Task, TransformersModel, presets
@@ -143,19 +146,23 @@ def build_transformers(spec: TransformersModel, inp: InputSpec) -> BuiltModel:
     if task != "image-classification":
         check_trains(model_class, model_type, task)
 
-    def base_factory():
-        # A config's torch_dtype is how the checkpoint is stored; training keeps
-        # fp32 master weights (the recipe's precision decides the rest). The explicit None also undoes the
-        # previous build's choice, which transformers leaves on the (shared) config.
-        try:
-            return make(config, attn_implementation=spec.attn_implementation,
-                        experts_implementation=spec.experts_implementation, dtype=torch.float32)
-        except ValueError as exc:  # a sub-model class without the named kernel (the top class is checked above)
-            found = NO_KERNEL.match(str(exc))
-            if found is None:
-                raise
-            raise SpecError("model.attn_implementation", spec.attn_implementation,
-                            f"eager or null ({found.group(1)}, inside {name}, has no such kernel)") from exc
+    def factory_of(config: Any) -> Callable[[], Any]:
+        def base_factory():
+            # A config's torch_dtype is how the checkpoint is stored; training keeps fp32 master weights (the
+            # recipe's precision decides the rest). The explicit None also undoes the previous build's choice,
+            # which transformers leaves on the (shared) config.
+            try:
+                return make(config, attn_implementation=spec.attn_implementation,
+                            experts_implementation=spec.experts_implementation, dtype=torch.float32)
+            except ValueError as exc:  # a sub-model class without the named kernel (the top class is checked above)
+                found = NO_KERNEL.match(str(exc))
+                if found is None:
+                    raise
+                raise SpecError("model.attn_implementation", spec.attn_implementation,
+                                f"eager or null ({found.group(1)}, inside {name}, has no such kernel)") from exc
+        return base_factory
+
+    base_factory = factory_of(config)
 
     def factory():
         return _fine_tuned(base_factory(), spec, task, [])
@@ -193,6 +200,29 @@ def build_transformers(spec: TransformersModel, inp: InputSpec) -> BuiltModel:
         resolved["target_seq_len"] = target
     assumptions.extend(fed.lines)
     batches = tasks.text(task, seq, target, extra=fed.extra, label_len=fed.label_len, codebooks=fed.codebooks)
-    return BuiltModel(f"transformers:{name}", factory, batches, tasks.model_loss, resolved, count_parameters(model),
-                      assumptions, moe_routing=spec.moe_routing,
-                      max_seq_len=min(limit, MAX_SEQ_LEN) if limit is not None else None)
+    built = BuiltModel(f"transformers:{name}", factory, batches, tasks.model_loss, resolved, count_parameters(model),
+                       assumptions, moe_routing=spec.moe_routing,
+                       max_seq_len=min(limit, MAX_SEQ_LEN) if limit is not None else None)
+
+    def at(n: int) -> BuiltModel:
+        shallow = copy.deepcopy(config)
+        shallow.num_hidden_layers = n
+        make_base = factory_of(shallow)
+        return dataclasses.replace(built, factory=lambda: _fine_tuned(make_base(), spec, task, []), depth=None,
+                                   assumptions=[])
+
+    built.depth = _depth(model, config, at)
+    return built
+
+
+def _depth(model: Any, config: Any, at: Callable[[int], BuiltModel]) -> Depth | None:
+    """The decoder's (or encoder's) repeating blocks: one ``ModuleList`` of ``config.num_hidden_layers`` modules,
+    built again at another depth by a copy of the config (estimator/simulate/depth.py). None for a config with
+    per-layer lists (``layer_types``: a copy would not follow its depth) or another count of block lists."""
+    layers = getattr(config, "num_hidden_layers", None)
+    if not isinstance(layers, int) or layers < 2:
+        return None
+    if any(isinstance(v, (list, tuple)) and len(v) == layers for v in vars(config).values()):
+        return None
+    found = [path for path, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m) == layers]
+    return Depth(layers, found[0], at) if len(found) == 1 else None

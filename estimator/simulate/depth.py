@@ -1,0 +1,358 @@
+"""A deep model's step from three shallow ones: blocks that repeat, simulated three times instead of 32.
+
+>>> trace = Deepener(built, recipe).record(2, get_gpu("A100-80GB"))           # doctest: +SKIP
+
+A decoder of 32 identical layers records the same events for every layer:
+its trace at depth ``d + 1`` is the trace at ``d`` with the same segments
+inserted at fixed points (one layer's forward, its backward, its gradients,
+its optimizer step, ...), and the trace at ``d + 2`` has each segment twice.
+When the traces at depths 1, 2 and 3 are periodic so, the trace at the full
+depth is the one at depth 1 with each segment inserted ``depth - 1`` times:
+recorded with 6 layers simulated instead of 32.
+
+Events are compared as tokens that name what they are, not which storage:
+an allocation by its bytes, phase, module (its layer number written relative
+to the previous allocation's layer: ``+1`` as the forward goes up), op,
+category, stream and iteration; a free by what it frees and its rank among
+the live allocations of that kind, counted from the newest or the oldest
+(whichever is nearer: activations go LIFO, a foreach op's outputs FIFO).
+Decoding tokens gives back the same allocations, in order, and the same
+events: ``tokens`` and ``decode`` are checked to round-trip on each trace.
+
+Anything that does not repeat falls back to the full simulation, which is
+the answer by definition: a segment that is not inserted the same way
+twice, a free whose rank changes with depth, notes or SDPA calls that
+change, an error at a shallow depth. Not tried where the memory groups
+layers across block boundaries (DDP's gradient buckets, ZeRO-1's optimizer
+partitions) or for models under 8 blocks (where three shallow runs save
+little). tests/test_depth.py checks the shortcut byte for byte against full
+simulations, the golden requests included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import logging
+import re
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+from estimator.errors import SimulationError, SpecError
+from estimator.gpus import GPU
+from estimator.models import BuiltModel
+from estimator.simulate.recipe import Recipe
+from estimator.simulate.record import record_built
+from estimator.trace import Allocation, Trace
+
+log = logging.getLogger(__name__)
+
+BASE = 1  # the shallowest depth recorded: then BASE + 1 and BASE + 2
+MIN_LAYERS = 8  # below this, three shallow runs (BASE * 3 + 3 layers) save too little
+# strategies whose memory groups parameters across blocks: DDP's 25 MiB buckets, ZeRO-1's partitions by rank
+_GROUPING = frozenset({"ddp", "zero1"})
+
+Token = tuple[Hashable, ...]
+
+
+class NotPeriodic(Exception):
+    """The shallow traces do not repeat as the full depth needs: simulate in full."""
+
+
+class _Codec:
+    """Tokens of a trace whose blocks live under ``container`` (module ``<container>.<k>...``)."""
+
+    def __init__(self, container: str) -> None:
+        self.layer = re.compile(rf"(?<![^.]){re.escape(container)}\.(\d+)(?![^.])")
+        self.container = container
+
+    def _kind(self, a: Allocation) -> tuple[Hashable, int | None]:
+        """(what allocation ``a`` is, without its layer number; its layer number or None)."""
+        found = self.layer.search(a.module)
+        module = a.module if found is None else f"{a.module[:found.start(1)]}#{a.module[found.end(1):]}"
+        return (a.nbytes, a.phase, module, a.op, a.category, a.stream, a.iteration), (
+            None if found is None else int(found.group(1)))
+
+    def tokens(self, trace: Trace, depth: int) -> list[Token]:
+        out: list[Token] = []
+        live: dict[Hashable, list[int]] = {}
+        kinds: dict[int, Hashable] = {}
+        previous: int | None = None
+        for is_alloc, k in trace.events:
+            if is_alloc:
+                kind, layer = self._kind(trace.allocations[k])
+                kinds[k] = kind
+                live.setdefault(kind, []).append(k)
+                code: Hashable = None
+                if layer is not None:
+                    if previous is not None and abs(layer - previous) <= 1:
+                        code = layer - previous
+                    else:
+                        code = "first" if layer == 0 else "last" if layer == depth - 1 else ("at", layer)
+                    previous = layer
+                out.append(("A", kind, code))
+            else:
+                kind = kinds.pop(k)
+                stack = live[kind]
+                pos = stack.index(k)
+                del stack[pos]
+                newest = len(stack) - pos  # 0: the newest of its kind
+                out.append(("F", kind, ("newest", newest) if newest <= pos else ("oldest", pos)))
+        return out
+
+    def decode(self, tokens: Sequence[Token], depth: int) -> tuple[list[Allocation], list[tuple[bool, int]]]:
+        allocations: list[Allocation] = []
+        events: list[tuple[bool, int]] = []
+        live: dict[Hashable, list[int]] = {}
+        previous: int | None = None
+        for op, kind, code in tokens:
+            if op == "A":
+                nbytes, phase, module, name, category, stream, iteration = kind  # type: ignore[misc]
+                if code is not None:
+                    layer = (previous + code if isinstance(code, int) and previous is not None
+                             else 0 if code == "first" else depth - 1 if code == "last" else code[1])  # type: ignore[index]
+                    if not 0 <= layer < depth:
+                        raise NotPeriodic(f"layer {layer} of {depth}")
+                    module = module.replace(f"{self.container}.#", f"{self.container}.{layer}", 1)
+                    previous = layer
+                live.setdefault(kind, []).append(len(allocations))
+                events.append((True, len(allocations)))
+                allocations.append(Allocation(nbytes, phase, module, name, iteration, category, stream))
+            else:
+                stack = live.get(kind, [])
+                side, rank = code  # type: ignore[misc]
+                pos = len(stack) - 1 - rank if side == "newest" else rank
+                if not 0 <= pos < len(stack):
+                    raise NotPeriodic(f"a free of rank {rank} among {len(stack)}")
+                events.append((False, stack.pop(pos)))
+        return allocations, events
+
+
+def _inserts(base: list[Token], more: list[Token]) -> list[tuple[int, list[Token]]]:
+    """(position in ``base``, tokens inserted there) that make ``more`` from ``base``; NotPeriodic if ``more``
+    is not ``base`` with insertions."""
+    matcher = difflib.SequenceMatcher(None, base, more, autojunk=False)
+    found = []
+    for tag, i1, _, j1, j2 in matcher.get_opcodes():
+        if tag == "insert":
+            found.append((i1, more[j1:j2]))
+        elif tag != "equal":
+            raise NotPeriodic(f"a {tag} at event {i1}")
+    return found
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How a trace grows by one block: each ``segments[i]`` inserted at ``positions[i]`` of the trace at depth
+    ``base``, at ``positions[i] + k * shifts[i]`` of the trace ``k`` blocks deeper."""
+
+    kind: str  # "repeated" (checked by each third depth) or "drifting" (fitted on three, checked at a fourth once)
+    base: int
+    positions: tuple[int, ...]
+    shifts: tuple[int, ...]
+    segments: tuple[tuple[Token, ...], ...]
+
+    def grown(self, tokens: list[Token], blocks: int) -> list[Token]:
+        """The tokens ``blocks`` deeper than ``tokens`` (the trace at ``base``)."""
+        for k in range(blocks):
+            out: list[Token] = []
+            at = 0
+            for pos, shift, segment in zip(self.positions, self.shifts, self.segments, strict=True):
+                out.extend(tokens[at:pos + k * shift])
+                out.extend(segment)
+                at = pos + k * shift
+            out.extend(tokens[at:])
+            tokens = out
+        return tokens
+
+    @property
+    def depths(self) -> range:
+        """The shallow depths the rule is found from."""
+        return range(self.base, self.base + 3) if self.kind == "repeated" else range(self.base - 1, self.base + 2)
+
+    @property
+    def again(self) -> range:
+        """The shallow depths the rule is found from again at another batch, its shape known: the two whose
+        difference gives its segments."""
+        return range(self.base, self.base + 2)
+
+    @property
+    def shape(self) -> tuple:
+        """What a rule checked at one batch shares with the same rule at another: where, and how long."""
+        return self.positions, self.shifts, tuple(len(s) for s in self.segments)
+
+
+def repeated(base: int, first: list[Token], second: list[Token]) -> Rule:
+    """The rule that inserts each segment of ``second`` again next to its first copy (a block more repeats each
+    segment once more)."""
+    inserts = _inserts(first, second)
+    shifts, before = [], 0
+    for _, segment in inserts:
+        shifts.append(before)
+        before += len(segment)
+    return Rule("repeated", base, tuple(p for p, _ in inserts), tuple(shifts), tuple(tuple(s) for _, s in inserts))
+
+
+def drifting(base: int, first: list[Token], second: list[Token], third: list[Token]) -> Rule:
+    """The rule whose insertion points move as the two steps ``first`` -> ``second`` -> ``third`` (depths
+    ``base - 1`` to ``base + 1``) show, growing ``second``: for a segment the alignment put at another copy of
+    its run the second time (a rotation of the first). Fitted on three depths: a fourth must check it."""
+    one, two = _inserts(first, second), _inserts(second, third)
+    if [len(s) for _, s in one] != [len(s) for _, s in two]:
+        raise NotPeriodic("the segments inserted from one depth to the next differ")
+    shifts = tuple(q - p for (p, _), (q, _) in zip(one, two, strict=True))
+    return Rule("drifting", base, tuple(q for q, _ in two), shifts, tuple(tuple(s) for _, s in two))
+
+
+def _line_at(same: Sequence[str], depths: Sequence[int], depth: int) -> str:
+    """One note line at ``depth`` from the line at ``depths``: each number in it that differs between them is
+    the depth ("on each of 3 blocks"), the rest stay ("over 8 ranks"); NotPeriodic for a line that changes
+    otherwise."""
+    parts = [re.split(r"(\d+)", line) for line in same]  # odd places: the numbers
+    if len({len(p) for p in parts}) > 1:
+        raise NotPeriodic(f"a note changes with depth: {same[-1]}")
+    out = []
+    for k, values in enumerate(zip(*parts, strict=True)):
+        if len(set(values)) == 1:
+            out.append(values[0])
+        elif k % 2 and [int(v) for v in values] == list(depths):
+            out.append(str(depth))
+        else:
+            raise NotPeriodic(f"a note changes with depth: {same[-1]}")
+    return "".join(out)
+
+
+def _lines_at(lines: Sequence[Sequence[str]], depths: Sequence[int], depth: int) -> list[str]:
+    """Note lines at ``depth`` from the same lines at ``depths`` (``_line_at``)."""
+    if len({len(x) for x in lines}) != 1:
+        raise NotPeriodic("notes come and go with depth")
+    return [_line_at(same, depths, depth) for same in zip(*lines, strict=True)]
+
+
+def deepen(traces: dict[int, Trace], container: str, depth: int, known: Rule | None = None) -> tuple[Trace, Rule]:
+    """The trace at ``depth`` from shallow ``traces`` (by depth), and the rule it grew by: ``known`` (checked at
+    another batch) with this batch's segments when their shape is the same, else the first rule that holds
+    (``_rule``). NotPeriodic when none does; Deeper when a deeper shallow trace may tell."""
+    codec = _Codec(container)
+    tokens: dict[int, list[Token]] = {}
+    for n, trace in traces.items():
+        t = codec.tokens(trace, n)
+        if codec.decode(t, n) != (trace.allocations, trace.events):
+            raise NotPeriodic(f"the trace at depth {n} does not round-trip")
+        tokens[n] = t
+    rule = _rule(tokens, known)
+    depths = list(rule.again if known is not None else rule.depths)
+    used = [traces[n] for n in depths]
+    if len({(repr(t.sdpa_calls), tuple(t.card_queries), tuple(t.capability_thresholds)) for t in used}) > 1:
+        raise NotPeriodic("the SDPA calls or the card's kernels change with depth")
+    a, b = used[0], used[1]
+    if len(used) > 2 and used[2].flops - b.flops != b.flops - a.flops:
+        raise NotPeriodic("the FLOPs are not affine in depth")
+    allocations, events = codec.decode(rule.grown(tokens[rule.base], depth - rule.base), depth)
+    return dataclasses.replace(
+        used[-1], allocations=allocations, events=events, flops=a.flops + (b.flops - a.flops) * (depth - depths[0]),
+        unsupported=_lines_at([t.unsupported for t in used], depths, depth),
+        assumptions=_lines_at([t.assumptions for t in used], depths, depth)), rule
+
+
+DEEPEST = 5  # the deepest shallow trace a first search records: rules checked by it, drifting ones fitted below
+
+
+class Deeper(NotPeriodic):
+    """No rule holds of the depths recorded so far; one more may tell."""
+
+
+def _rule(tokens: dict[int, list[Token]], known: Rule | None) -> Rule:
+    if known is not None:  # checked at another batch: the same shape again, with this batch's segments
+        inserts = _inserts(tokens[known.base], tokens[known.base + 1])
+        rule = dataclasses.replace(known, positions=tuple(p for p, _ in inserts),
+                                   segments=tuple(tuple(s) for _, s in inserts))
+        if rule.shape != known.shape:
+            raise NotPeriodic(f"the blocks do not repeat as they did at another batch ({known.kind})")
+        return rule
+    # in the order of the depths they need: 1-3, 2-4 (twice), 2-5
+    for kind, base in (("repeated", 1), ("repeated", 2), ("drifting", 2), ("drifting", 3)):
+        found = _holds(kind, base, tokens)
+        if found is not None:
+            return found
+    if max(tokens) < DEEPEST:
+        raise Deeper(f"no rule holds at depths 1 to {max(tokens)}")
+    raise NotPeriodic(f"the blocks do not repeat alike at depths 1 to {DEEPEST}")
+
+
+def _holds(kind: str, base: int, tokens: dict[int, list[Token]]) -> Rule | None:
+    """The rule of ``kind`` at ``base`` when the trace two blocks deeper than ``base`` is what it grows into
+    (a repeated rule is found from two depths, so checked by a third; a drifting one from three, checked by a
+    fourth), else None."""
+    first = base if kind == "repeated" else base - 1
+    if any(n not in tokens for n in range(first, base + 3)):
+        return None
+    try:
+        rule = (repeated(base, tokens[base], tokens[base + 1]) if kind == "repeated"
+                else drifting(base, tokens[base - 1], tokens[base], tokens[base + 1]))
+    except NotPeriodic:
+        return None
+    return rule if rule.grown(tokens[base], 2) == tokens[base + 2] else None
+
+
+
+def worth_it(built: BuiltModel, recipe: Recipe) -> bool:
+    """Whether the shortcut may be tried for ``built`` trained with ``recipe``."""
+    depth = built.depth
+    return (depth is not None and depth.layers >= MIN_LAYERS and built.step_fn is None
+            and not (recipe.distributed.active and recipe.distributed.strategy in _GROUPING))
+
+
+class Deepener:
+    """``record_built`` for one model, through shallow simulations where its blocks repeat (``deepen``): depths
+    1 to 3 (and 4 the first time, when 1 is not yet like the others); in full once they turn out not to repeat.
+    The rule found at the first batch is the one later batches must follow."""
+
+    def __init__(self, built: BuiltModel) -> None:
+        self.built = built
+        self.periodic: bool | None = None  # None: not tried yet
+        self.rule: Rule | None = None
+        self.shallow: dict[int, BuiltModel] = {}
+
+    def record(self, batch: int, recipe: Recipe, gpu: GPU | None, notes: Sequence[str] = ()) -> Trace:
+        if self.periodic is not False and worth_it(self.built, recipe):
+            try:
+                trace = self._deepened(batch, recipe, gpu, notes)
+                self.periodic = True
+                return trace
+            except (NotPeriodic, SimulationError, SpecError) as exc:
+                log.info("%s: simulated at full depth (%s)", self.built.name, exc)
+                self.periodic = self.periodic or False  # a rule that held at another batch stays tried
+        return record_built(self.built, batch, recipe, gpu, notes=notes)
+
+    def _shallow(self, n: int, batch: int, recipe: Recipe, gpu: GPU | None, notes: Sequence[str]) -> Trace:
+        depth = self.built.depth
+        assert depth is not None
+        if n not in self.shallow:
+            self.shallow[n] = depth.at(n)
+        shallow = self.shallow[n]
+        was = shallow.worst_case = shallow.worst_case or self.built.worst_case
+        trace = record_built(shallow, batch, recipe, gpu, notes=notes)
+        if shallow.worst_case and not was:
+            raise NotPeriodic("the worst-case policy was needed at a shallow depth")  # the full step decides
+        return trace
+
+    def _deepened(self, batch: int, recipe: Recipe, gpu: GPU | None, notes: Sequence[str]) -> Trace:
+        depth = self.built.depth
+        assert depth is not None
+        depths = self.rule.again if self.rule is not None else range(1, 4)
+        traces = {n: self._shallow(n, batch, recipe, gpu, notes) for n in depths}
+        while True:
+            try:
+                trace, rule = deepen(traces, depth.container, depth.layers, self.rule)
+                break
+            except Deeper:
+                n = max(traces) + 1
+                if sum(traces) + n >= depth.layers:  # no cheaper than the full simulation any more
+                    raise
+                traces[n] = self._shallow(n, batch, recipe, gpu, notes)
+        self.rule = self.rule or rule
+        shallow = ", ".join(str(n) for n in rule.depths)
+        line = (f"the {depth.layers} blocks of {depth.container} simulated at depths {shallow} and the step deepened "
+                f"to {depth.layers} ({rule.kind} blocks: the events a full simulation records)")
+        return dataclasses.replace(trace, assumptions=[*trace.assumptions, line])

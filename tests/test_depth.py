@@ -1,0 +1,172 @@
+"""Deep models simulated shallow (estimator/simulate/depth.py): the deepened trace is the full simulation's, event
+for event, or the full simulation runs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from estimator.gpus import get_gpu
+from estimator.models import build
+from estimator.pipeline import estimate, job_of
+from estimator.request.parse import parse_request
+from estimator.simulate import depth
+from estimator.simulate.depth import Deepener, NotPeriodic, _Codec, _rule, drifting, repeated
+from estimator.simulate.record import record_built
+from estimator.trace import Allocation, Trace
+
+pytestmark = pytest.mark.sim
+
+A100 = get_gpu("A100-80GB")
+LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 256, "num_hidden_layers": 16}
+CAUSAL = {"source": "transformers", "task": "causal-lm", "config": LLAMA}
+GPT2 = {"source": "transformers", "task": "causal-lm",
+        "config": {"model_type": "gpt2", "n_embd": 64, "n_head": 4, "n_layer": 9, "vocab_size": 256,
+                   "n_positions": 128}}
+BERT = {"source": "transformers", "task": "sequence-classification",
+        "config": {"model_type": "bert", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+                   "num_hidden_layers": 12, "vocab_size": 256}}
+LORA = {"method": "lora", "r": 4, "target_modules": "all-linear"}
+
+# name -> (model, training): each deepened at batch 2, then at batch 3 by the rule found at 2
+CASES = {
+    "llama amp-bf16": (CAUSAL, {"precision": "amp-bf16"}),
+    "llama fp32 sgd": (CAUSAL, {"optimizer": {"name": "sgd"}}),
+    "llama checkpointing": (CAUSAL, {"precision": "amp-fp16", "gradient_checkpointing": True}),
+    "llama selective checkpointing": (CAUSAL, {"precision": "amp-bf16", "gradient_checkpointing": "selective"}),
+    "llama accumulation": (CAUSAL, {"precision": "amp-bf16", "grad_accumulation_steps": 2}),
+    # the last block keeps its gathered parameters (torchtitan): depth 1 is not like the others
+    "llama fsdp": (CAUSAL, {"precision": "fp32", "distributed": {"strategy": "fsdp", "world_size": 4,
+                                                                 "fsdp": {"param_dtype": "bf16"}}}),
+    "llama lora": ({**CAUSAL, "peft": LORA}, {"precision": "amp-bf16"}),
+    # a merged optimizer segment whose insertion point drifts: depths 1 to 5 the first time
+    "llama qlora paged": ({**CAUSAL, "peft": LORA, "quantization": {"method": "bnb-4bit"}},
+                          {"precision": "amp-bf16", "gradient_checkpointing": True,
+                           "optimizer": {"name": "paged_adamw8bit"}}),
+    "gpt2 eager": ({**GPT2, "attn_implementation": "eager"}, {}),
+    # the top block's incoming gradient comes from the pooler, the others' from the block above
+    "bert sequence classification": (BERT, {"precision": "amp-fp16"}),
+}
+
+
+def _built(model: dict, training: dict, seq_len: int = 32):
+    job = job_of(parse_request({"model": model, "input": {"seq_len": seq_len}, "training": training}))
+    return build(job.model, job.input), job.recipe
+
+
+def _same(full: Trace, deep: Trace) -> None:
+    assert deep.events == full.events
+    assert deep.allocations == full.allocations
+    assert deep.flops == full.flops
+    assert deep.assumptions[:-1] == full.assumptions  # and one line more: how it was simulated
+    assert "deepened" in deep.assumptions[-1]
+    assert (deep.unsupported, deep.sdpa_calls, deep.card_queries, deep.capability_thresholds) == (
+        full.unsupported, full.sdpa_calls, full.card_queries, full.capability_thresholds)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_deepened_step_is_the_full_simulation_event_for_event(name: str) -> None:
+    model, training = CASES[name]
+    built, recipe = _built(model, training)
+    deepener = Deepener(built)
+    for batch in (2, 3):
+        deep = deepener.record(batch, recipe, A100)
+        assert deepener.periodic, f"{name} at batch {batch} was simulated in full"
+        _same(record_built(built, batch, recipe, A100), deep)
+
+
+def test_the_depth_is_found_from_the_config() -> None:
+    built, _ = _built(CAUSAL, {})
+    assert built.depth is not None and (built.depth.layers, built.depth.container) == (16, "model.layers")
+    built, _ = _built(GPT2, {})
+    assert built.depth is not None and (built.depth.layers, built.depth.container) == (9, "transformer.h")
+    # a per-layer list would not follow a copied config's depth: no shortcut
+    built, _ = _built({**CAUSAL, "config": {**LLAMA, "model_type": "qwen2", "max_window_layers": 16,
+                                            "layer_types": ["full_attention"] * 16}}, {})
+    assert built.depth is None
+
+
+def test_what_groups_blocks_is_simulated_in_full() -> None:
+    built, recipe = _built(CAUSAL, {"distributed": {"strategy": "ddp", "world_size": 2}})
+    assert not depth.worth_it(built, recipe)  # DDP's 25 MiB buckets span blocks
+    deepener = Deepener(built)
+    trace = deepener.record(2, recipe, A100)
+    assert deepener.periodic is None and not any("deepened" in line for line in trace.assumptions)
+
+
+def test_a_shallow_model_is_simulated_in_full(monkeypatch: pytest.MonkeyPatch) -> None:
+    built, recipe = _built(CAUSAL, {})
+    monkeypatch.setattr(depth, "MIN_LAYERS", 17)  # 16 blocks: under the limit
+    assert not depth.worth_it(built, recipe)
+
+
+def test_the_planner_answers_the_same_with_and_without_the_shortcut(monkeypatch: pytest.MonkeyPatch) -> None:
+    request = {"model": CAUSAL, "input": {"seq_len": 64}, "training": {"precision": "amp-bf16"},
+               "gpus": ["T4-16GB", "A100-80GB"], "planner": {"suggestions": False}}
+    deep = estimate(parse_request(request))
+    monkeypatch.setattr(depth, "MIN_LAYERS", 10**6)
+    full = estimate(parse_request(request))
+    assert any("deepened" in line for line in deep.assumptions)
+    assert not any("deepened" in line for line in full.assumptions)
+    # every number of every card (max, memory, curve, seconds); the reports' notes but the deepened line
+    assert _without_deepened(deep.results) == _without_deepened(full.results)
+    assert deep.provenance.simulations == full.provenance.simulations
+
+
+def _without_deepened(value):
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = dataclasses.asdict(value)
+    if isinstance(value, dict):
+        return {k: _without_deepened(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_without_deepened(v) for v in value if not (isinstance(v, str) and "deepened" in v)]
+    return value
+
+
+# The rules on token sequences: ``a``, ``b`` stand for one block's events in two runs (forward, then optimizer)
+
+
+def test_a_run_at_a_junction_grows_right() -> None:
+    # A^n B^n: the alignment may insert "AB" at the junction, which a repeated rule would insert twice there
+    tokens = {n: ["s"] + ["a"] * n + ["b"] * n + ["e"] for n in range(1, 6)}
+    want = ["s"] + ["a"] * 30 + ["b"] * 30 + ["e"]
+    rule = _rule(tokens, None)
+    assert rule.grown(tokens[rule.base], 30 - rule.base) == want
+
+
+def test_a_repeated_rule_is_checked_by_its_third_depth() -> None:
+    tokens = {1: ["s", "a", "e"], 2: ["s", "a", "a", "e"], 3: ["s", "a", "a", "a", "e"]}
+    rule = repeated(1, tokens[1], tokens[2])
+    assert rule.grown(tokens[1], 2) == tokens[3]
+    assert rule.grown(tokens[1], 7) == ["s"] + ["a"] * 8 + ["e"]
+
+
+def test_what_does_not_repeat_is_refused() -> None:
+    # a block whose events change with depth (a bucket that grows): a replacement, not an insertion
+    grows = {n: ["s", ("bucket", n), "e"] for n in range(1, 6)}
+    with pytest.raises(NotPeriodic):
+        _rule(grows, None)
+    # two blocks at depth 3 where the rule from 1 to 2 says three
+    # a run that grows quadratically (an all-to-all of every pair of blocks)
+    square = {n: ["a"] * n + ["c"] * (n * n) for n in range(1, 6)}
+    with pytest.raises(NotPeriodic):
+        _rule(square, None)
+    with pytest.raises(NotPeriodic):
+        drifting(2, ["a"], ["a", "x"], ["a", "x", "yy", "z"])
+
+
+def test_tokens_round_trip_and_name_each_block() -> None:
+    # two blocks: a forward activation per block (up), freed in backward (down, the newest first)
+    allocations = [Allocation(64, "forward", f"m.layers.{k}.mlp", "mm", 0, "activation") for k in range(2)]
+    trace = Trace(allocations, [(True, 0), (True, 1), (False, 1), (False, 0)])
+    codec = _Codec("m.layers")
+    tokens = codec.tokens(trace, 2)
+    kind = (64, "forward", "m.layers.#.mlp", "mm", "activation", 0, 0)
+    assert tokens == [("A", kind, "first"), ("A", kind, 1), ("F", kind, ("newest", 0)), ("F", kind, ("newest", 0))]
+    assert codec.decode(tokens, 2) == (trace.allocations, trace.events)
+    # the same tokens a block deeper name the third block
+    three = tokens[:2] + [("A", kind, 1), ("F", kind, ("newest", 0))] + tokens[2:]
+    names = [a.module for a in codec.decode(three, 3)[0]]
+    assert names == ["m.layers.0.mlp", "m.layers.1.mlp", "m.layers.2.mlp"]
