@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import itertools
 import logging
 import re
 from collections.abc import Hashable, Sequence
@@ -178,8 +179,9 @@ class Rule:
 
     @property
     def shape(self) -> tuple:
-        """What a rule checked at one batch shares with the same rule at another: where, and how long."""
-        return self.positions, self.shifts, tuple(len(s) for s in self.segments)
+        """What a rule checked at one batch shares with the same rule at another: how long its segments are
+        (the places may move: batch 1 takes other paths in places) and how far each moves per block."""
+        return self.kind, tuple(len(s) for s in self.segments)
 
 
 def repeated(base: int, first: list[Token], second: list[Token]) -> Rule:
@@ -265,6 +267,7 @@ class Deeper(NotPeriodic):
 def _rule(tokens: dict[int, list[Token]], known: Rule | None) -> Rule:
     if known is not None:  # checked at another batch: the same shape again, with this batch's segments
         inserts = _inserts(tokens[known.base], tokens[known.base + 1])
+        # its moves per block as where it was checked (a repeated rule's follow from the segments' lengths)
         rule = dataclasses.replace(known, positions=tuple(p for p, _ in inserts),
                                    segments=tuple(tuple(s) for _, s in inserts))
         if rule.shape != known.shape:
@@ -340,19 +343,30 @@ class Deepener:
     def _deepened(self, batch: int, recipe: Recipe, gpu: GPU | None, notes: Sequence[str]) -> Trace:
         depth = self.built.depth
         assert depth is not None
-        depths = self.rule.again if self.rule is not None else range(1, 4)
-        traces = {n: self._shallow(n, batch, recipe, gpu, notes) for n in depths}
+        known = self.rule
+        traces = {n: self._shallow(n, batch, recipe, gpu, notes) for n in (known.again if known else range(1, 4))}
+        if known is not None:
+            try:
+                trace, _ = deepen(traces, depth.container, depth.layers, known)
+                return self._noted(trace, known.kind, sorted(traces))
+            except NotPeriodic as exc:  # an alignment that came out otherwise at this batch: search again
+                log.info("%s at batch %d: %s; the rule searched again", self.built.name, batch, exc)
         while True:
             try:
-                trace, rule = deepen(traces, depth.container, depth.layers, self.rule)
+                trace, rule = deepen(traces, depth.container, depth.layers)
                 break
             except Deeper:
-                n = max(traces) + 1
+                n = next(k for k in itertools.count(1) if k not in traces)
                 if sum(traces) + n >= depth.layers:  # no cheaper than the full simulation any more
                     raise
                 traces[n] = self._shallow(n, batch, recipe, gpu, notes)
         self.rule = self.rule or rule
-        shallow = ", ".join(str(n) for n in rule.depths)
+        return self._noted(trace, rule.kind, list(rule.depths))
+
+    def _noted(self, trace: Trace, kind: str, depths: Sequence[int]) -> Trace:
+        depth = self.built.depth
+        assert depth is not None
+        shallow = ", ".join(str(n) for n in depths)
         line = (f"the {depth.layers} blocks of {depth.container} simulated at depths {shallow} and the step deepened "
-                f"to {depth.layers} ({rule.kind} blocks: the events a full simulation records)")
+                f"to {depth.layers} ({kind} blocks: the events a full simulation records)")
         return dataclasses.replace(trace, assumptions=[*trace.assumptions, line])
