@@ -38,6 +38,7 @@ import logging
 import re
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from estimator.errors import SimulationError, SpecError
 from estimator.gpus import GPU
@@ -53,7 +54,7 @@ MIN_LAYERS = 8  # below this, three shallow runs (BASE * 3 + 3 layers) save too 
 # strategies whose memory groups parameters across blocks: DDP's 25 MiB buckets, ZeRO-1's partitions by rank
 _GROUPING = frozenset({"ddp", "zero1"})
 
-Token = tuple[Hashable, ...]
+Token = tuple[Any, ...]  # ("A", kind, layer code) or ("F", kind, (side, rank))
 
 
 class NotPeriodic(Exception):
@@ -108,10 +109,11 @@ class _Codec:
         previous: int | None = None
         for op, kind, code in tokens:
             if op == "A":
-                nbytes, phase, module, name, category, stream, iteration = kind  # type: ignore[misc]
+                fields: tuple[int, str, str, str, str, int, int] = kind
+                nbytes, phase, module, name, category, stream, iteration = fields
                 if code is not None:
-                    layer = (previous + code if isinstance(code, int) and previous is not None
-                             else 0 if code == "first" else depth - 1 if code == "last" else code[1])  # type: ignore[index]
+                    layer: int = (previous + code if isinstance(code, int) and previous is not None
+                                  else 0 if code == "first" else depth - 1 if code == "last" else code[1])
                     if not 0 <= layer < depth:
                         raise NotPeriodic(f"layer {layer} of {depth}")
                     module = module.replace(f"{self.container}.#", f"{self.container}.{layer}", 1)
@@ -121,7 +123,8 @@ class _Codec:
                 allocations.append(Allocation(nbytes, phase, module, name, iteration, category, stream))
             else:
                 stack = live.get(kind, [])
-                side, rank = code  # type: ignore[misc]
+                where: tuple[str, int] = code
+                side, rank = where
                 pos = len(stack) - 1 - rank if side == "newest" else rank
                 if not 0 <= pos < len(stack):
                     raise NotPeriodic(f"a free of rank {rank} among {len(stack)}")
