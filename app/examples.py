@@ -415,6 +415,8 @@ PRESET_ANSWER = {
     "assumptions": [
         "attention: sdpa (transformers' default for LlamaForCausalLM)",
         "gradient checkpointing: transformers' per-layer checkpointing (non-reentrant)",
+        "the 32 blocks of model.layers simulated at depths 1, 2, 3 and the step deepened to 32 (repeated blocks: the "
+        "events a full simulation records)",
         "CUDA context on H200-141GB: 520 MiB (catalog default; driver dependent)",
     ],
     "warnings": [

@@ -88,6 +88,65 @@ def test_the_depth_is_found_from_the_config() -> None:
     assert built.depth is None
 
 
+DEEPSEEK = {"model_type": "deepseek_v3", "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+            "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 256, "max_position_embeddings": 256,
+            "num_hidden_layers": 10, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1,
+            "topk_group": 1, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+            "v_head_dim": 16}
+# blocks that differ by their index with no per-layer list: a model built with 1 to 5 blocks would have only the
+# first kind (dense MLPs; no adapter on down_proj), and a trace grown from them would miss the others' memory
+UNLIKE = {
+    "deepseek dense below experts": {"source": "transformers", "task": "causal-lm",
+                                     "config": {**DEEPSEEK, "first_k_dense_replace": 5}},
+    "lora on the last block's down_proj": {**CAUSAL, "peft": {"method": "lora", "r": 4,
+                                                              "target_modules": ["q_proj", "layers.15.mlp.down_proj"]}},
+}
+
+
+@pytest.mark.parametrize("name", list(UNLIKE))
+def test_blocks_that_differ_by_their_index_are_simulated_in_full(name: str) -> None:
+    built, recipe = _built(UNLIKE[name], {"precision": "amp-bf16"})
+    assert built.depth is None
+    trace = Deepener(built).record(2, recipe, A100)
+    assert trace.allocations == record_built(built, 2, recipe, A100).allocations
+    assert not any("deepened" in line for line in trace.assumptions)
+
+
+def test_a_shallow_build_unlike_the_full_model_is_not_used() -> None:
+    built, recipe = _built(CAUSAL, {})
+    assert built.depth is not None
+    assert built.depth.at(3) is not None  # like blocks: the shallow build stands for the full one
+    offered = built.depth.at
+    # a build at another depth whose blocks or other modules are not the full model's is refused (at gives None)
+    built.depth = dataclasses.replace(built.depth, at=lambda n: None if n == 2 else offered(n))
+    deepener = Deepener(built)
+    trace = deepener.record(1, recipe, A100)
+    assert deepener.periodic is False and not any("deepened" in line for line in trace.assumptions)
+
+
+def test_a_block_signature_leaves_the_index_out_and_keeps_the_rest() -> None:
+    import torch
+
+    from estimator.models import blocks
+
+    class Block(torch.nn.Module):
+        def __init__(self, layer_idx: int, width: int = 4, window: int | None = None) -> None:
+            super().__init__()
+            self.layer_idx, self.window = layer_idx, window
+            self.proj = torch.nn.Linear(width, width)
+
+    assert blocks.signature(Block(0)) == blocks.signature(Block(7))
+    assert blocks.signature(Block(0)) != blocks.signature(Block(0, width=8))
+    assert blocks.signature(Block(0)) != blocks.signature(Block(0, window=16))  # a sliding window by index
+    frozen = Block(0)
+    frozen.proj.weight.requires_grad_(False)
+    assert blocks.signature(frozen) != blocks.signature(Block(0))
+    model = torch.nn.Sequential(torch.nn.ModuleList([Block(0), Block(1)]))
+    assert blocks.container_in(model, "0", 2) == "0" and blocks.alike(model, "0") is not None
+    model[0].append(Block(2, window=16))
+    assert blocks.alike(model, "0") is None
+
+
 def test_what_groups_blocks_is_simulated_in_full() -> None:
     built, recipe = _built(CAUSAL, {"distributed": {"strategy": "ddp", "world_size": 2}})
     assert not depth.worth_it(built, recipe)  # DDP's 25 MiB buckets span blocks

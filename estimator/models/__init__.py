@@ -47,11 +47,11 @@ OnDevice = Callable[["torch.nn.Module"], None]
 class Depth:
     """A model whose blocks repeat (estimator/simulate/depth.py): how many (``layers``), the module path of
     their ``ModuleList`` (``container``, e.g. ``model.layers``) and the same model built with ``n`` of them
-    (``at(n)``)."""
+    (``at(n)``; None where that build's blocks are not the full model's, estimator/models/blocks.py)."""
 
     layers: int
     container: str
-    at: Callable[[int], BuiltModel]
+    at: Callable[[int], BuiltModel | None]
 
 
 @dataclass

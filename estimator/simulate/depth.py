@@ -318,7 +318,7 @@ class Deepener:
         self.built = built
         self.periodic: bool | None = None  # None: not tried yet
         self.rule: Rule | None = None
-        self.shallow: dict[int, BuiltModel] = {}
+        self.shallow: dict[int, BuiltModel | None] = {}
 
     def record(self, batch: int, recipe: Recipe, gpu: GPU | None, notes: Sequence[str] = ()) -> Trace:
         if self.periodic is not False and worth_it(self.built, recipe):
@@ -337,6 +337,8 @@ class Deepener:
         if n not in self.shallow:
             self.shallow[n] = depth.at(n)
         shallow = self.shallow[n]
+        if shallow is None:
+            raise NotPeriodic(f"the model built with {n} blocks is not the full model's blocks repeated")
         was = shallow.worst_case = shallow.worst_case or self.built.worst_case
         trace = record_built(shallow, batch, recipe, gpu, notes=notes)
         if shallow.worst_case and not was:

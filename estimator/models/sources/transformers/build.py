@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from estimator.errors import SpecError
-from estimator.models import BuiltModel, Depth, peft, tasks
+from estimator.models import BuiltModel, Depth, blocks, peft, tasks
 from estimator.models.building import check_seq_len, count_parameters, given_values, probe, unknown_name
 from estimator.models.meta import build_on_meta
 from estimator.models.sources.transformers import Task, TransformersModel, presets
@@ -169,8 +169,11 @@ def build_transformers(spec: TransformersModel, inp: InputSpec) -> BuiltModel:
 
     name = spec.preset or model_type
     model = probe(base_factory, "model.config", spec.config)
+    tuned = model
     if spec.peft is not None:  # built once on meta here, so that a bad adapter option fails before a simulation
-        build_on_meta(lambda: _fine_tuned(base_factory(), spec, task, assumptions))
+        tuned = build_on_meta(lambda: _fine_tuned(base_factory(), spec, task, assumptions))
+    elif spec.quantization is not None:
+        tuned = build_on_meta(factory)
     assumptions.append(attention_line(model, spec.attn_implementation))
     assumptions.extend(experts_lines(model, spec))
     assumptions.extend(kernel_lines(model, name))
@@ -204,25 +207,45 @@ def build_transformers(spec: TransformersModel, inp: InputSpec) -> BuiltModel:
                        assumptions, moe_routing=spec.moe_routing,
                        max_seq_len=min(limit, MAX_SEQ_LEN) if limit is not None else None)
 
-    def at(n: int) -> BuiltModel:
-        shallow = copy.deepcopy(config)
-        shallow.num_hidden_layers = n
-        make_base = factory_of(shallow)
-        return dataclasses.replace(built, factory=lambda: _fine_tuned(make_base(), spec, task, []), depth=None,
-                                   assumptions=[])
-
-    built.depth = _depth(model, config, at)
+    built.depth = _depth(model, tuned, config, built,
+                         lambda n: lambda: _fine_tuned(factory_of(_shallow_config(config, n))(), spec, task, []))
     return built
 
 
-def _depth(model: Any, config: Any, at: Callable[[int], BuiltModel]) -> Depth | None:
+def _shallow_config(config: Any, n: int) -> Any:
+    shallow = copy.deepcopy(config)
+    shallow.num_hidden_layers = n
+    return shallow
+
+
+def _depth(model: Any, tuned: Any, config: Any, built: BuiltModel,
+           factory_at: Callable[[int], Callable[[], Any]]) -> Depth | None:
     """The decoder's (or encoder's) repeating blocks: one ``ModuleList`` of ``config.num_hidden_layers`` modules,
     built again at another depth by a copy of the config (estimator/simulate/depth.py). None for a config with
-    per-layer lists (``layer_types``: a copy would not follow its depth) or another count of block lists."""
+    per-layer lists (``layer_types``: a copy would not follow its depth), another count of block lists, or
+    blocks of the fine-tuned model (``tuned``) that differ (estimator/models/blocks.py). A build at another depth
+    is offered only when its blocks and the rest of it have the full model's signatures."""
     layers = getattr(config, "num_hidden_layers", None)
     if not isinstance(layers, int) or layers < 2:
         return None
     if any(isinstance(v, (list, tuple)) and len(v) == layers for v in vars(config).values()):
         return None
     found = [path for path, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m) == layers]
-    return Depth(layers, found[0], at) if len(found) == 1 else None
+    if len(found) != 1:
+        return None
+    path = blocks.container_in(tuned, found[0], layers)
+    block = None if path is None else blocks.alike(tuned, path)
+    if path is None or block is None:
+        return None
+    rest = blocks.signature(tuned, skip=path)
+
+    def at(n: int) -> BuiltModel | None:
+        factory = factory_at(n)
+        shallow = build_on_meta(factory)
+        inside = blocks.container_in(shallow, found[0], n)
+        if (inside is None or blocks.signature(shallow, skip=inside) != rest
+                or (n > 0 and blocks.alike(shallow, inside) != block)):
+            return None
+        return dataclasses.replace(built, factory=factory, depth=None, assumptions=[])
+
+    return Depth(layers, found[0], at)
