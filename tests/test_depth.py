@@ -147,6 +147,31 @@ def test_a_block_signature_leaves_the_index_out_and_keeps_the_rest() -> None:
     assert blocks.alike(model, "0") is None
 
 
+def test_a_prefetched_simulation_hands_its_rule_to_the_parent(monkeypatch: pytest.MonkeyPatch) -> None:
+    from estimator.simulate import background
+    from estimator.simulate.source import Simulator
+
+    built, recipe = _built(CAUSAL, {"precision": "amp-bf16"})
+    monkeypatch.setattr(background, "enabled", lambda: True)
+    simulator = Simulator(built, recipe)
+    simulator.prefetch(2, A100)
+    shallow = []  # the parent's own shallow simulations, from here on (the child was forked before)
+
+    def counted(built, batch, recipe, gpu, notes=()):
+        shallow.append(batch)
+        return record_built(built, batch, recipe, gpu, notes=notes)
+
+    monkeypatch.setattr(depth, "record_built", counted)
+    trace, runs = simulator.simulate(2, A100)  # collected from the child, which searched the rule
+    assert runs == 1 and shallow == [] and simulator.deepener.periodic and simulator.deepener.rule is not None
+    _same(record_built(built, 2, recipe, A100), trace)
+    learnt = simulator.deepener.rule
+    simulator.deepener.learn((False, None))  # what the parent knows stands
+    assert simulator.deepener.rule is learnt
+    _same(record_built(built, 1, recipe, A100), simulator.simulate(1, A100)[0])
+    assert shallow == [1, 1]  # by the rule: depths 1 and 2 alone, no search
+
+
 def test_what_groups_blocks_is_simulated_in_full() -> None:
     built, recipe = _built(CAUSAL, {"distributed": {"strategy": "ddp", "world_size": 2}})
     assert not depth.worth_it(built, recipe)  # DDP's 25 MiB buckets span blocks

@@ -282,6 +282,24 @@ def test_an_unfit_full_fine_tune_is_offered_lora_qlora_and_8bit_adamw_as_changes
     assert all(s.recommended_batch_size is not None for s in [*methods.values(), *qlora])
 
 
+def test_the_levers_simulated_beside_each_other_suggest_what_one_at_a_time_does(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from estimator.pipeline import estimate
+    from estimator.simulate import background
+
+    # the suggester starts the next lever's step in a forked child while it searches this one's
+    card = {"name": "small-card", "memory_bytes": 56 * 2**20, "context_bytes": 0}
+    request = {"model": {"source": "transformers", "config": LLAMA}, "input": {"seq_len": 128}, "gpus": [card],
+               "planner": {"reserve_bytes": 0, "curve_points": 0}}
+    monkeypatch.setattr(background, "enabled", lambda: True)
+    beside = estimate(parse_request(request))
+    monkeypatch.setattr(background, "enabled", lambda: False)
+    alone = estimate(parse_request(request))
+    assert beside.results[0].suggestions and beside.results[0].suggestions == alone.results[0].suggestions
+    assert beside.provenance.simulations == alone.provenance.simulations
+    assert beside.warnings == alone.warnings
+
+
 def test_levers_skip_what_the_request_already_does() -> None:
     from estimator.options import Levers, PlanOptions
     from estimator.plan.suggest import levers

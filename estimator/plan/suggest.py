@@ -21,7 +21,7 @@ recommended. When no single lever lands, their cumulative stack is tried
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -177,8 +177,9 @@ class Suggester:
         """The checked changes for ``card``, cheapest first: each single recipe lever that lands, else their first
         stack that does; then each change of method that lands; then FSDP over the fewest ranks (with the recipe's
         stack when FSDP alone is not enough)."""
-        landed = [lever for lever in self.levers if self._lands(lever, card)]
-        out = [self._suggestion(lever, card) for lever in landed if not lever.method]
+        landed = [lever for lever in self._rolling(self.levers, card, self.start) if self._lands(lever, card)]
+        out = [self._suggestion(lever, card)
+               for lever in self._rolling([x for x in landed if not x.method], card, self.start + 1)]
         # stacks combine the recipe's levers; a change of method is offered on its own, after them
         taken = [lever for lever in self._taken() if not lever.method]
         if not out:
@@ -190,8 +191,24 @@ class Suggester:
         fsdp = self._fsdp([], card)
         if fsdp is None and not out and len(taken) > 1:
             fsdp = self._fsdp(taken, card)
-        methods = [self._suggestion(lever, card) for lever in landed if lever.method]
+        methods = [self._suggestion(lever, card)
+                   for lever in self._rolling([x for x in landed if x.method], card, self.start + 1)]
         return out + methods + ([fsdp] if fsdp is not None else [])
+
+    def _rolling(self, chosen: list[Lever], card: GPU, batch: int) -> Iterator[Lever]:
+        """``chosen`` in order, the next one's step at ``batch`` started in a forked child while the caller works
+        on this one (estimator/simulate/background.py): the levers' steps are independent, and a second core
+        simulates the next while the first searches this one."""
+        for i, lever in enumerate(chosen):
+            if i + 1 < len(chosen):
+                self._prefetch(chosen[i + 1], card, batch)
+            yield lever
+
+    def _prefetch(self, lever: Lever, card: GPU, batch: int) -> None:
+        steps = self._of(lever)
+        prefetch = getattr(steps.source, "prefetch", None) if steps is not None else None
+        if steps is not None and prefetch is not None and (batch, steps.signature(card)) not in steps.traces:
+            prefetch(batch, headroom_card(card, steps.reserve_bytes, self.options.headroom))
 
     @property
     def simulations(self) -> int:

@@ -320,6 +320,17 @@ class Deepener:
         self.rule: Rule | None = None
         self.shallow: dict[int, BuiltModel | None] = {}
 
+    def found(self) -> tuple[bool | None, Rule | None]:
+        """What the simulations so far found: whether the blocks repeat, and by which rule."""
+        return self.periodic, self.rule
+
+    def learn(self, found: tuple[bool | None, Rule | None]) -> None:
+        """Take what another simulator of the same model ``found`` (a forked child's), where this one has not
+        tried yet: the rule saves the search, a refusal the shallow simulations that would be refused again."""
+        periodic, rule = found
+        if self.periodic is None and periodic is not None:
+            self.periodic, self.rule = periodic, rule
+
     def record(self, batch: int, recipe: Recipe, gpu: GPU | None, notes: Sequence[str] = ()) -> Trace:
         if self.periodic is not False and worth_it(self.built, recipe):
             try:

@@ -131,7 +131,11 @@ class Simulator:
             return
         if background.enabled() and (batch, gpu) not in self._pending:
             note = [self.rank_note] if self.rank_note else []
-            job = background.Background(lambda: self.deepener.record(batch, self.recipe, gpu, notes=note))
+            def run() -> tuple[Trace, tuple]:
+                trace = self.deepener.record(batch, self.recipe, gpu, notes=note)
+                return trace, self.deepener.found()  # what the child learnt of the blocks, for the parent
+
+            job = background.Background(run)
             self._pending[batch, gpu] = (job, time.perf_counter())
 
     def _collect(self, batch: int, gpu: GPU) -> Trace | None:
@@ -140,6 +144,10 @@ class Simulator:
             if b == batch and self.signature(card) == sig:
                 del self._pending[b, card]
                 # as long again as it has run, at least 5 s: the child does what the parent did meanwhile
-                result: Trace | None = job.result(timeout=max(5.0, 2 * (time.perf_counter() - started)))
-                return result
+                result = job.result(timeout=max(5.0, 2 * (time.perf_counter() - started)))
+                if result is None:
+                    return None
+                trace, found = result
+                self.deepener.learn(found)
+                return trace
         return None
