@@ -99,3 +99,31 @@ def test_switched_off(monkeypatch) -> None:
     sim = Simulator(build_request(parse_request({"model": {"source": "torchvision", "name": "resnet18"}})), Recipe())
     sim.prefetch(2, A100)
     assert not sim._pending
+
+
+def test_a_newer_guess_replaces_the_one_before_but_the_kept_one(monkeypatch) -> None:
+    """``speculate``: the search's guess at its next probe. A newer guess kills the child of the one before it,
+    except the one at ``keep`` (the probe being asked for now); a guess never collected counts no simulation."""
+    monkeypatch.setenv("BATCHFIT_PARALLEL", "1")
+    if not background.enabled():
+        pytest.skip("one core: no background simulations")  # never on CI's machines (2 cores)
+    built = build_request(parse_request({"model": {"source": "torchvision", "name": "resnet18"},
+                                         "input": {"image_size": [3, 64, 64]}}))
+    sim = Simulator(built, Recipe())
+    sim.speculate(3, A100)
+    first = sim._pending[3, A100][0].pid
+    sim.speculate(4, A100, keep=3)  # probing 3 now, guessing 4 next: both run
+    assert set(sim._pending) == {(3, A100), (4, A100)} and _alive(first)
+    fetched, runs = sim.simulate(3, A100)
+    assert runs == 1 and (3, A100) not in sim._pending
+    guessed = sim._pending[4, A100][0].pid
+    sim.speculate(6, A100, keep=5)  # the search went elsewhere: the guess at 4 is dropped
+    assert set(sim._pending) == {(6, A100)}
+    deadline = time.time() + 10
+    while _alive(guessed) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not _alive(guessed)
+    assert sim.runs == 1  # the guesses not collected simulated nothing the answer counts
+    here = record_training(built.factory, built.batch_factory, built.loss_fn, 3, Recipe(), A100)
+    assert fetched.events == here.events and [a.nbytes for a in fetched.allocations] == \
+        [a.nbytes for a in here.allocations]

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from estimator.gpus import GPU, custom_gpu
-from estimator.options import ConfirmMode, PlanOptions
+from estimator.options import AdviceOptions, ConfirmMode, PlanOptions
 from estimator.plan.answer import answer
 from estimator.plan.results import SearchMethod, WarningCode
 from estimator.plan.steps import ModelFacts
@@ -37,6 +37,9 @@ class FakeSource:
         allocations = [Allocation(64 * MIB, Phase.SETUP, "", "empty", 0, Category.PARAMETER),
                        Allocation(32 * MIB * batch, Phase.FORWARD, "fc", "mm", 1, Category.ACTIVATION)]
         return Trace(allocations, [(True, 0), (True, 1), (False, 1)], flops=1000 * batch), 1
+
+    def speculate(self, batch: int, gpu: GPU, keep: int | None = None) -> None:
+        """Nothing runs beside the caller here."""
 
 
 # Sizes above 10 MiB in multiples of 2 MiB get a segment of exactly their size (CUDACachingAllocator.cpp,
@@ -173,3 +176,44 @@ def test_fsdp_takes_the_levers_it_needs_when_ranks_alone_are_not_enough() -> Non
     # rank count shards, already exceed the 30.6 MiB the headroom leaves
     plain = [c[WORLD] for c in made if set(c) == {"training.distributed.strategy", WORLD}]
     assert plain == [2]
+
+
+class NotAffineSource(FakeSource):
+    """The fake step with one more op per sample (a per-image loop, as detection models have): not affine in the
+    batch, so every card is searched with full simulations. Records the guesses the planner starts beside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.guesses: list[tuple[int, int | None]] = []
+
+    def simulate(self, batch: int, gpu: GPU) -> tuple[Trace, int]:
+        self.simulated.append(batch)
+        allocations = [Allocation(64 * MIB, Phase.SETUP, "", "empty", 0, Category.PARAMETER)]
+        events = [(True, 0)]
+        for _ in range(batch):
+            allocations.append(Allocation(32 * MIB, Phase.FORWARD, "fc", "mm", 1, Category.ACTIVATION))
+            events.append((True, len(allocations) - 1))
+        events += [(False, k) for k in range(1, len(allocations))]
+        return Trace(allocations, events, flops=1000 * batch), 1
+
+    def speculate(self, batch: int, gpu: GPU, keep: int | None = None) -> None:
+        self.guesses.append((batch, keep))
+
+
+def test_a_step_not_affine_is_searched_by_full_simulations_its_curve_from_them() -> None:
+    """Cards searched with full simulations: each new probe starts the one a batch above beside it (the probe
+    being asked for kept), and the curve takes its points from the batches simulated: none of its own."""
+    source = NotAffineSource()
+    response = answer(source, [CARD], PlanOptions(reserve_bytes=0))
+    result = response.results[0]
+    assert result.search.method == SearchMethod.FULL
+    assert (result.max_batch_size, result.recommended_batch_size) == (10, 8)  # as the affine fake's
+    simulated = set(source.simulated)
+    assert {p.batch_size for p in result.curve} <= simulated
+    assert result.curve[0].batch_size == 1 and result.curve[-1].batch_size == 10
+    without = NotAffineSource()
+    answer(without, [CARD], PlanOptions(reserve_bytes=0, advice=AdviceOptions(curve_points=0)))
+    assert set(without.simulated) == simulated  # the curve simulated nothing more
+    new = [b for b, _ in source.guesses]
+    assert source.guesses and all(keep == b - 1 for b, keep in source.guesses)
+    assert all(b - 1 in simulated for b in new)  # each guess sits a batch above a probe that was simulated

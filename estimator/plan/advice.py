@@ -92,6 +92,24 @@ def curve_batches(start: int, best: int, points: int = 10) -> list[int]:
     if len(grid) + 1 < points:
         grid = sorted(set(grid) | {3 * 2**k for k in range(best.bit_length()) if start < 3 * 2**k < top})
     grid.append(best)
+    return _thinned(grid, points)
+
+
+def simulated_curve_batches(simulated: list[int], start: int, best: int, points: int = 10) -> list[int]:
+    """The curve of a step searched with full simulations: the batches those simulated from ``start`` to ``best``
+    (both simulated: the smallest batch and the max), thinned evenly to about ``points``; no batch that would
+    take a simulation of its own.
+
+    >>> simulated_curve_batches([1, 2, 3, 4, 6, 12, 13, 14, 15], 1, 14, points=4)
+    [1, 3, 12, 14]
+    """
+    if best <= start or points <= 1:
+        return [best]
+    return _thinned(sorted({start, best} | {b for b in simulated if start < b < best}), points)
+
+
+def _thinned(grid: list[int], points: int) -> list[int]:
+    """``grid`` (ascending) evenly thinned to ``points`` when it has more than ``points + 2``, both ends kept."""
     if len(grid) > points + 2:
         grid = sorted({grid[round(i * (len(grid) - 1) / (points - 1))] for i in range(points)})
     return grid
@@ -139,7 +157,11 @@ def advise(steps: Steps, card: GPU, start: int, best: int | None, rec: int | Non
         return None if epoch is None or options.max_epoch_seconds is None else epoch <= options.max_epoch_seconds
 
     curve = []
-    for b in curve_batches(start, best, options.curve_points) if options.curve_points else []:
+    batches = curve_batches(start, best, options.curve_points) if options.curve_points else []
+    if batches and steps.can_confirm and steps.known_affine(card) is None:
+        # searched with full simulations (not affine in the batch): a point elsewhere would cost one more
+        batches = simulated_curve_batches(steps.simulated(card), start, best, options.curve_points)
+    for b in batches:
         step, epoch = timing(b)
         curve.append(CurvePoint(b, steps.report(b, card, exact=False).device_peak_bytes, step, epoch, meets(epoch)))
     tokens = best * options.seq_len if options.seq_len is not None else None

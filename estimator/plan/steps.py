@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from estimator.gpus import GPU
+from estimator.options import MAX_BATCH
 from estimator.plan.affine import AffineTrace, fit
 from estimator.plan.replays import ReplayCache
 from estimator.replay.allocator import ReplayResult
@@ -78,6 +79,11 @@ class StepSource(Protocol):
         chosen by simulating each candidate)."""
         ...
 
+    def speculate(self, batch: int, gpu: GPU, keep: int | None = None) -> None:
+        """Start the simulation at ``batch`` beside the caller's work, if the source can (else nothing): a guess
+        at what ``simulate`` is asked next, replacing the guesses before it but the one at ``keep``."""
+        ...
+
 
 class Steps:
     """One model's steps on the cards of a request, as the planner asks for them (see the module docstring)."""
@@ -128,6 +134,18 @@ class Steps:
             notes = (like.unsupported, like.assumptions) if isinstance(like, Trace) else ((), ())
             self._reports[key] = self.replays.step_report(step, batch, gpu, *notes)
         return self._reports[key]
+
+    def simulated(self, gpu: GPU) -> list[int]:
+        """The batches whose full step on ``gpu`` is known (simulated, or seeded), ascending."""
+        sig = self.signature(gpu)
+        return sorted(b for b, s in self.traces if s == sig)
+
+    def prefetch(self, batch: int, gpu: GPU, keep: int | None = None) -> None:
+        """Start the full simulation at ``batch`` on ``gpu`` beside this process's work where the source can (a
+        search's likely next probe; ``trace`` collects it): the answer is the same, only sooner. It replaces the
+        guesses started before, but for the one at ``keep`` (the batch asked for now)."""
+        if self.can_confirm and batch <= MAX_BATCH and (batch, self.signature(gpu)) not in self.traces:
+            self.source.speculate(batch, gpu, keep)
 
     def replay(self, step: Step, batch: int, gpu: GPU, capped: bool = True) -> ReplayResult:
         return self.replays.replay(step, batch, gpu, capped)

@@ -20,6 +20,7 @@ from estimator.plan.notes import Notes
 from estimator.plan.results import Search, SearchMethod, WarningCode
 from estimator.plan.search import aligned_within, headroom_capacity, max_batch, max_batch_between
 from estimator.plan.steps import Steps
+from estimator.replay.report import MemoryReport
 
 Answer = tuple[int | None, Search]
 
@@ -65,6 +66,9 @@ def _search_group(steps: Steps, cards: list[GPU], start: int, confirm: ConfirmMo
         return [(best, Search(method)) for best in bests]
     checked: list[int] = []
     for profile in steps.candidates(start, first):
+        if len(cards) > 1:  # the check at the widest card's max + 1, simulated beside the other cards' replays
+            widest = max(cards, key=lambda c: c.usable_bytes(steps.reserve_bytes))
+            steps.prefetch(min(replay_search(steps, profile, widest, start)[0] + 1, MAX_BATCH), first)
         bests = _replay_searches(steps, profile, cards, start)
         top = min(max(bests) + 1, MAX_BATCH)
         if steps.check(profile, top, first):
@@ -106,10 +110,17 @@ def replay_search(steps: Steps, profile: AffineTrace, card: GPU, start: int, gap
 
 def _full_search(steps: Steps, card: GPU, start: int) -> Answer:
     def full(b: int) -> tuple[bool, int]:
-        r = steps.report(b, card)
-        return r.fits, r.allocated_peak_bytes
+        return _probe(steps, b, card).fits, steps.report(b, card).allocated_peak_bytes
 
     return max_batch(full, card.usable_bytes(steps.reserve_bytes), start=start), Search(SearchMethod.FULL)
+
+
+def _probe(steps: Steps, b: int, card: GPU) -> MemoryReport:
+    """The full step's report at ``b`` on ``card``; when ``b`` is a new simulation, the one at ``b + 1`` starts beside
+    it (``Steps.prefetch``): a search whose probe fits asks there next, when its guess was good."""
+    if b not in steps.simulated(card):
+        steps.prefetch(b + 1, card, keep=b)
+    return steps.report(b, card)
 
 
 def _confirm_card(steps: Steps, card: GPU, best: int, start: int, notes: Notes) -> Answer:
@@ -137,16 +148,31 @@ def recommend(steps: Steps, card: GPU, start: int, best: int | None, headroom: f
     if best is None:
         return None, shrunk, gap
 
+    profile = steps.known_affine(card)
+
     def fits(b: int) -> bool:
+        if profile is None:  # full simulations
+            return _probe(steps, b, shrunk).fits
         return steps.report(b, shrunk, exact=False).fits
 
     if not fits(start):
         return None, shrunk, gap
-    profile = steps.known_affine(card)
     if profile is not None and profile.min_batch <= start + 1:  # replays from the live-bytes bound, as the max
         room, gap = replay_search(steps, profile, shrunk, start, gap)
         room = min(room, best)
     else:
-        guess = start + int((best - start) * (1 - headroom))
-        room = best if fits(best) else max_batch_between(fits, start, best, guess)
+        room = best if fits(best) else max_batch_between(fits, start, best, _headroom_guess(steps, card, shrunk,
+                                                                                             start, best))
     return aligned_within(fits, room, align), shrunk, gap
+
+
+def _headroom_guess(steps: Steps, card: GPU, shrunk: GPU, start: int, best: int) -> int:
+    """Where the recommendation likely lies: the line through the card's allocated peaks at ``start`` and ``best``
+    (both known) meets the memory the headroom leaves (memory is close to affine in the batch, as the max's
+    search assumes)."""
+    low, high = steps.report(start, card, exact=False), steps.report(best, card, exact=False)
+    per_sample = (high.allocated_peak_bytes - low.allocated_peak_bytes) / max(best - start, 1)
+    if per_sample <= 0:
+        return start
+    room = shrunk.usable_bytes(steps.reserve_bytes) - low.allocated_peak_bytes
+    return min(max(start + int(room / per_sample), start), best)

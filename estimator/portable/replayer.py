@@ -48,6 +48,9 @@ class ProfileReplayer:
             raise SpecError("batch_size", batch, f"at least {seed.start}, the smallest batch the profile answers")
         return seed.first if batch == seed.start else seed.affine
 
+    def speculate(self, batch: int, gpu: GPU, keep: int | None = None) -> None:
+        """A profile simulates nothing, beside the caller or otherwise."""
+
     def simulate(self, batch: int, gpu: GPU) -> tuple[Trace, int]:
         """A profile has no model to simulate: every step it answers is seeded."""
         raise SpecError("batch_size", batch, f"a batch the profile answers (from {self.doc.start}): a profile "

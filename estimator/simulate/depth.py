@@ -345,8 +345,9 @@ class Deepener:
     def _shallow(self, n: int, batch: int, recipe: Recipe, gpu: GPU | None, notes: Sequence[str]) -> Trace:
         depth = self.built.depth
         assert depth is not None
-        if n not in self.shallow:
-            self.shallow[n] = depth.at(n)
+        if n not in self.shallow:  # the build is the model's (shared); its worst-case flag this simulator's own
+            built = depth.at(n)
+            self.shallow[n] = None if built is None else dataclasses.replace(built)
         shallow = self.shallow[n]
         if shallow is None:
             raise NotPeriodic(f"the model built with {n} blocks is not the full model's blocks repeated")

@@ -48,6 +48,7 @@ class Simulator:
         self.seeds: dict[tuple, Seed] = {}  # a simulator is seeded by nothing: it simulates
         self.runs = 0  # full simulations run
         self._pending: dict[tuple[int, GPU], tuple[background.Background, float]] = {}  # prefetched, running
+        self._guesses: set[tuple[int, GPU]] = set()  # speculative prefetches (``speculate``)
         self._probe: Trace | None = None  # the first trace: what the step asks of a card
         self._ranks: list[int] | None = None  # distributed: the ranks that may need the most (one once known)
         self.rank_note: str | None = None  # which rank stands for the world, and why (every trace's assumption)
@@ -137,6 +138,18 @@ class Simulator:
 
             job = background.Background(run)
             self._pending[batch, gpu] = (job, time.perf_counter())
+
+    def speculate(self, batch: int, gpu: GPU, keep: int | None = None) -> None:
+        """``prefetch`` a simulation a search may ask for next (it may not): the guesses running before this one
+        are dropped (their children killed), but for one at ``keep``, the batch the caller asks for now; one never
+        collected costs no simulation."""
+        for old in [g for g in self._guesses if g[0] != keep and g != (batch, gpu)]:
+            self._guesses.discard(old)
+            if old in self._pending:
+                job, _ = self._pending.pop(old)
+                job.close()
+        self._guesses.add((batch, gpu))
+        self.prefetch(batch, gpu)
 
     def _collect(self, batch: int, gpu: GPU) -> Trace | None:
         sig = self.signature(gpu)

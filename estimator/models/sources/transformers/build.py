@@ -239,7 +239,14 @@ def _depth(model: Any, tuned: Any, config: Any, built: BuiltModel,
         return None
     rest = blocks.signature(tuned, skip=path)
 
+    shallow: dict[int, BuiltModel | None] = {}  # every simulator of this model shares the builds
+
     def at(n: int) -> BuiltModel | None:
+        if n not in shallow:
+            shallow[n] = _at(n)
+        return shallow[n]
+
+    def _at(n: int) -> BuiltModel | None:
         factory = factory_at(n)
         shallow = build_on_meta(factory)
         inside = blocks.container_in(shallow, found[0], n)
