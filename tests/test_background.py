@@ -13,6 +13,7 @@ import pytest
 from support import A100_80 as A100
 from support import build_request
 
+from estimator.models import BuiltModel
 from estimator.request.parse import parse_request
 from estimator.simulate import background
 from estimator.simulate.background import Background
@@ -74,13 +75,19 @@ def test_child_dies_with_its_parent(tmp_path) -> None:
     assert not _alive(child)
 
 
-def test_prefetched_trace_equals_one_simulated_here(monkeypatch) -> None:
+@pytest.fixture
+def parallel(monkeypatch) -> tuple[BuiltModel, Simulator]:
+    """A small model's simulator that runs simulations in the background."""
     monkeypatch.setenv("BATCHFIT_PARALLEL", "1")
     if not background.enabled():
         pytest.skip("one core: no background simulations")  # never on CI's machines (2 cores)
     built = build_request(parse_request({"model": {"source": "torchvision", "name": "resnet18"},
                                          "input": {"image_size": [3, 64, 64]}}))
-    sim = Simulator(built, Recipe())
+    return built, Simulator(built, Recipe())
+
+
+def test_prefetched_trace_equals_one_simulated_here(parallel) -> None:
+    built, sim = parallel
     sim.prefetch(2, A100)
     sim.simulate(1, A100)
     assert sim._pending  # not collected until asked for
@@ -101,15 +108,10 @@ def test_switched_off(monkeypatch) -> None:
     assert not sim._pending
 
 
-def test_a_newer_guess_replaces_the_one_before_but_the_kept_one(monkeypatch) -> None:
+def test_a_newer_guess_replaces_the_one_before_but_the_kept_one(parallel) -> None:
     """``speculate``: the search's guess at its next probe. A newer guess kills the child of the one before it,
     except the one at ``keep`` (the probe being asked for now); a guess never collected counts no simulation."""
-    monkeypatch.setenv("BATCHFIT_PARALLEL", "1")
-    if not background.enabled():
-        pytest.skip("one core: no background simulations")  # never on CI's machines (2 cores)
-    built = build_request(parse_request({"model": {"source": "torchvision", "name": "resnet18"},
-                                         "input": {"image_size": [3, 64, 64]}}))
-    sim = Simulator(built, Recipe())
+    built, sim = parallel
     sim.speculate(3, A100)
     first = sim._pending[3, A100][0].pid
     sim.speculate(4, A100, keep=3)  # probing 3 now, guessing 4 next: both run

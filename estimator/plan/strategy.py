@@ -18,7 +18,7 @@ from estimator.options import MAX_BATCH, ConfirmMode
 from estimator.plan.affine import AffineTrace
 from estimator.plan.notes import Notes
 from estimator.plan.results import Search, SearchMethod, WarningCode
-from estimator.plan.search import aligned_within, headroom_capacity, max_batch, max_batch_between
+from estimator.plan.search import aligned_within, headroom_capacity, max_batch, max_batch_between, recommended
 from estimator.plan.steps import Steps
 from estimator.replay.report import MemoryReport
 
@@ -115,11 +115,11 @@ def _full_search(steps: Steps, card: GPU, start: int) -> Answer:
     return max_batch(full, card.usable_bytes(steps.reserve_bytes), start=start), Search(SearchMethod.FULL)
 
 
-def _probe(steps: Steps, b: int, card: GPU) -> MemoryReport:
-    """The full step's report at ``b`` on ``card``; when ``b`` is a new simulation, the one at ``b + 1`` starts beside
-    it (``Steps.prefetch``): a search whose probe fits asks there next, when its guess was good."""
+def _probe(steps: Steps, b: int, card: GPU, ahead: int | None = None) -> MemoryReport:
+    """The full step's report at ``b`` on ``card``; when ``b`` is a new simulation, the one at ``ahead`` (``b + 1``:
+    a search whose probe fits asks there next, when its guess was good) starts beside it (``Steps.prefetch``)."""
     if b not in steps.simulated(card):
-        steps.prefetch(b + 1, card, keep=b)
+        steps.prefetch(b + 1 if ahead is None else ahead, card, keep=b)
     return steps.report(b, card)
 
 
@@ -151,8 +151,9 @@ def recommend(steps: Steps, card: GPU, start: int, best: int | None, headroom: f
     profile = steps.known_affine(card)
 
     def fits(b: int) -> bool:
-        if profile is None:  # full simulations
-            return _probe(steps, b, shrunk).fits
+        if profile is None:  # full simulations; beside b, the multiple of 8 below it that the answer would take
+            down = recommended(b, align)
+            return _probe(steps, b, shrunk, ahead=down if down != b else None).fits
         return steps.report(b, shrunk, exact=False).fits
 
     if not fits(start):
