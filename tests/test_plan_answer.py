@@ -217,3 +217,13 @@ def test_a_step_not_affine_is_searched_by_full_simulations_its_curve_from_them()
     new = [b for b, _ in source.guesses]
     assert source.guesses and all(keep == b - 1 for b, keep in source.guesses)
     assert all(b - 1 in simulated for b in new)  # each guess sits a batch above a probe that was simulated
+
+
+def test_beside_a_recommendation_probe_the_multiple_of_8_it_would_take_is_guessed() -> None:
+    """Max 20 (64 + 32 x 20 MiB usable); with the headroom (0.9 x 704 = 633.6 MiB) 17 fits, 18 does not, and 17
+    rounds down to 16 (giving up under 10 %): while 17 is probed, 16 is simulated beside it."""
+    source = NotAffineSource()
+    card = custom_gpu("fake-card-20", (64 + 32 * 20) * MIB, "8.0", context_bytes=0)
+    result = answer(source, [card], PlanOptions(reserve_bytes=0)).results[0]
+    assert (result.max_batch_size, result.recommended_batch_size) == (20, 16)
+    assert (16, 17) in source.guesses and 16 in source.simulated
