@@ -144,7 +144,7 @@ class Steps:
         """Start the full simulation at ``batch`` on ``gpu`` beside this process's work where the source can (a
         search's likely next probe; ``trace`` collects it): the answer is the same, only sooner. It replaces the
         guesses started before, but for the one at ``keep`` (the batch asked for now)."""
-        if self.can_confirm and batch <= MAX_BATCH and (batch, self.signature(gpu)) not in self.traces:
+        if batch <= MAX_BATCH and (batch, self.signature(gpu)) not in self.traces:
             self.source.speculate(batch, gpu, keep)
 
     def replay(self, step: Step, batch: int, gpu: GPU, capped: bool = True) -> ReplayResult:

@@ -110,7 +110,8 @@ def replay_search(steps: Steps, profile: AffineTrace, card: GPU, start: int, gap
 
 def _full_search(steps: Steps, card: GPU, start: int) -> Answer:
     def full(b: int) -> tuple[bool, int]:
-        return _probe(steps, b, card).fits, steps.report(b, card).allocated_peak_bytes
+        r = _probe(steps, b, card)
+        return r.fits, r.allocated_peak_bytes
 
     return max_batch(full, card.usable_bytes(steps.reserve_bytes), start=start), Search(SearchMethod.FULL)
 

@@ -239,12 +239,12 @@ def _depth(model: Any, tuned: Any, config: Any, built: BuiltModel,
         return None
     rest = blocks.signature(tuned, skip=path)
 
-    shallow: dict[int, BuiltModel | None] = {}  # every simulator of this model shares the builds
+    builds: dict[int, BuiltModel | None] = {}  # every simulator of this model shares the builds
 
     def at(n: int) -> BuiltModel | None:
-        if n not in shallow:
-            shallow[n] = _at(n)
-        return shallow[n]
+        if n not in builds:
+            builds[n] = _at(n)
+        return builds[n]
 
     def _at(n: int) -> BuiltModel | None:
         factory = factory_at(n)
