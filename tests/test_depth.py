@@ -10,9 +10,10 @@ import pytest
 from estimator.gpus import get_gpu
 from estimator.models import build
 from estimator.pipeline import estimate, job_of
+from estimator.plan.periodic import NotPeriodic, drifting, repeated
 from estimator.request.parse import parse_request
 from estimator.simulate import depth
-from estimator.simulate.depth import Deepener, NotPeriodic, _Codec, _rule, drifting, repeated
+from estimator.simulate.depth import Deepener, _Codec, _rule
 from estimator.simulate.record import record_built
 from estimator.trace import Allocation, Trace
 

@@ -32,17 +32,15 @@ simulations, the golden requests included.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import itertools
 import logging
 import re
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
-from typing import Any
 
 from estimator.errors import SimulationError, SpecError
 from estimator.gpus import GPU
 from estimator.models import BuiltModel
+from estimator.plan.periodic import NotPeriodic, Rule, Token, holds, inserts
 from estimator.simulate.recipe import Recipe
 from estimator.simulate.record import record_built
 from estimator.trace import Allocation, Trace
@@ -53,12 +51,6 @@ BASE = 1  # the shallowest depth recorded: then BASE + 1 and BASE + 2
 MIN_LAYERS = 8  # below this, three shallow runs (BASE * 3 + 3 layers) save too little
 # strategies whose memory groups parameters across blocks: DDP's 25 MiB buckets, ZeRO-1's partitions by rank
 _GROUPING = frozenset({"ddp", "zero1"})
-
-Token = tuple[Any, ...]  # ("A", kind, layer code) or ("F", kind, (side, rank))
-
-
-class NotPeriodic(Exception):
-    """The shallow traces do not repeat as the full depth needs: simulate in full."""
 
 
 class _Codec:
@@ -132,82 +124,6 @@ class _Codec:
         return allocations, events
 
 
-def _inserts(base: list[Token], more: list[Token]) -> list[tuple[int, list[Token]]]:
-    """(position in ``base``, tokens inserted there) that make ``more`` from ``base``; NotPeriodic if ``more``
-    is not ``base`` with insertions."""
-    matcher = difflib.SequenceMatcher(None, base, more, autojunk=False)
-    found = []
-    for tag, i1, _, j1, j2 in matcher.get_opcodes():
-        if tag == "insert":
-            found.append((i1, more[j1:j2]))
-        elif tag != "equal":
-            raise NotPeriodic(f"a {tag} at event {i1}")
-    return found
-
-
-@dataclass(frozen=True)
-class Rule:
-    """How a trace grows by one block: each ``segments[i]`` inserted at ``positions[i]`` of the trace at depth
-    ``base``, at ``positions[i] + k * shifts[i]`` of the trace ``k`` blocks deeper."""
-
-    kind: str  # "repeated" (checked by each third depth) or "drifting" (fitted on three, checked at a fourth once)
-    base: int
-    positions: tuple[int, ...]
-    shifts: tuple[int, ...]
-    segments: tuple[tuple[Token, ...], ...]
-
-    def grown(self, tokens: list[Token], blocks: int) -> list[Token]:
-        """The tokens ``blocks`` deeper than ``tokens`` (the trace at ``base``)."""
-        for k in range(blocks):
-            out: list[Token] = []
-            at = 0
-            for pos, shift, segment in zip(self.positions, self.shifts, self.segments, strict=True):
-                out.extend(tokens[at:pos + k * shift])
-                out.extend(segment)
-                at = pos + k * shift
-            out.extend(tokens[at:])
-            tokens = out
-        return tokens
-
-    @property
-    def depths(self) -> range:
-        """The shallow depths the rule is found from."""
-        return range(self.base, self.base + 3) if self.kind == "repeated" else range(self.base - 1, self.base + 2)
-
-    @property
-    def again(self) -> range:
-        """The shallow depths the rule is found from again at another batch, its shape known: the two whose
-        difference gives its segments."""
-        return range(self.base, self.base + 2)
-
-    @property
-    def shape(self) -> tuple:
-        """What a rule checked at one batch shares with the same rule at another: how long its segments are
-        (the places may move: batch 1 takes other paths in places) and how far each moves per block."""
-        return self.kind, tuple(len(s) for s in self.segments)
-
-
-def repeated(base: int, first: list[Token], second: list[Token]) -> Rule:
-    """The rule that inserts each segment of ``second`` again next to its first copy (a block more repeats each
-    segment once more)."""
-    inserts = _inserts(first, second)
-    shifts, before = [], 0
-    for _, segment in inserts:
-        shifts.append(before)
-        before += len(segment)
-    return Rule("repeated", base, tuple(p for p, _ in inserts), tuple(shifts), tuple(tuple(s) for _, s in inserts))
-
-
-def drifting(base: int, first: list[Token], second: list[Token], third: list[Token]) -> Rule:
-    """The rule whose insertion points move as the two steps ``first`` -> ``second`` -> ``third`` (depths
-    ``base - 1`` to ``base + 1``) show, growing ``second``: for a segment the alignment put at another copy of
-    its run the second time (a rotation of the first). Fitted on three depths: a fourth must check it."""
-    one, two = _inserts(first, second), _inserts(second, third)
-    if [len(s) for _, s in one] != [len(s) for _, s in two]:
-        raise NotPeriodic("the segments inserted from one depth to the next differ")
-    shifts = tuple(q - p for (p, _), (q, _) in zip(one, two, strict=True))
-    return Rule("drifting", base, tuple(q for q, _ in two), shifts, tuple(tuple(s) for _, s in two))
-
 
 def _line_at(same: Sequence[str], depths: Sequence[int], depth: int) -> str:
     """One note line at ``depth`` from the line at ``depths``: each number in it that differs between them is
@@ -269,36 +185,23 @@ class Deeper(NotPeriodic):
 
 def _rule(tokens: dict[int, list[Token]], known: Rule | None) -> Rule:
     if known is not None:  # checked at another batch: the same shape again, with this batch's segments
-        inserts = _inserts(tokens[known.base], tokens[known.base + 1])
+        found = inserts(tokens[known.base], tokens[known.base + 1])
         # its moves per block as where it was checked (a repeated rule's follow from the segments' lengths)
-        rule = dataclasses.replace(known, positions=tuple(p for p, _ in inserts),
-                                   segments=tuple(tuple(s) for _, s in inserts))
+        rule = dataclasses.replace(known, positions=tuple(p for p, _ in found),
+                                   segments=tuple(tuple(s) for _, s in found))
         if rule.shape != known.shape:
             raise NotPeriodic(f"the blocks do not repeat as they did at another batch ({known.kind})")
         return rule
     # in the order of the depths they need: 1-3, 2-4 (twice), 2-5
     for kind, base in (("repeated", 1), ("repeated", 2), ("drifting", 2), ("drifting", 3)):
-        found = _holds(kind, base, tokens)
-        if found is not None:
-            return found
+        held = holds(kind, base, tokens)
+        if held is not None:
+            return held
     if max(tokens) < DEEPEST:
         raise Deeper(f"no rule holds at depths 1 to {max(tokens)}")
     raise NotPeriodic(f"the blocks do not repeat alike at depths 1 to {DEEPEST}")
 
 
-def _holds(kind: str, base: int, tokens: dict[int, list[Token]]) -> Rule | None:
-    """The rule of ``kind`` at ``base`` when the trace two blocks deeper than ``base`` is what it grows into
-    (a repeated rule is found from two depths, so checked by a third; a drifting one from three, checked by a
-    fourth), else None."""
-    first = base if kind == "repeated" else base - 1
-    if any(n not in tokens for n in range(first, base + 3)):
-        return None
-    try:
-        rule = (repeated(base, tokens[base], tokens[base + 1]) if kind == "repeated"
-                else drifting(base, tokens[base - 1], tokens[base], tokens[base + 1]))
-    except NotPeriodic:
-        return None
-    return rule if rule.grown(tokens[base], 2) == tokens[base + 2] else None
 
 
 
