@@ -299,8 +299,8 @@ def test_an_estimate_of_4096_micro_steps_answers_as_one_of_6(monkeypatch) -> Non
 def test_detection_objects_do_not_lengthen_the_step() -> None:
     """1024 annotated objects a image simulate the same ops as 16 (boxes are one (N, 4) tensor a image, and
     torchvision matches them to anchors in whole-tensor ops), so an estimate at the limit costs what one at
-    16 does; what makes a detection estimate slow is its full-simulation search (the step is not affine in
-    the batch: torchvision loops over the images)."""
+    16 does; what makes a detection estimate slow is its simulations at a large batch (torchvision loops over
+    the images: the growing trace, estimator/plan/growing.py, still checks one just past the largest max)."""
     from support import build_request
 
     from estimator.request.adapt import recipe_of

@@ -179,8 +179,9 @@ def test_fsdp_takes_the_levers_it_needs_when_ranks_alone_are_not_enough() -> Non
 
 
 class NotAffineSource(FakeSource):
-    """The fake step with one more op per sample (a per-image loop, as detection models have): not affine in the
-    batch, so every card is searched with full simulations. Records the guesses the planner starts beside it."""
+    """The fake step with one more op per sample (a per-image loop, as detection models have) whose op also
+    changes with the batch's parity: neither affine nor growing by segments in the batch, so every card is
+    searched with full simulations. Records the guesses the planner starts beside it."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -190,8 +191,9 @@ class NotAffineSource(FakeSource):
         self.simulated.append(batch)
         allocations = [Allocation(64 * MIB, Phase.SETUP, "", "empty", 0, Category.PARAMETER)]
         events = [(True, 0)]
+        op = "mm" if batch % 2 else "bmm"
         for _ in range(batch):
-            allocations.append(Allocation(32 * MIB, Phase.FORWARD, "fc", "mm", 1, Category.ACTIVATION))
+            allocations.append(Allocation(32 * MIB, Phase.FORWARD, "fc", op, 1, Category.ACTIVATION))
             events.append((True, len(allocations) - 1))
         events += [(False, k) for k in range(1, len(allocations))]
         return Trace(allocations, events, flops=1000 * batch), 1

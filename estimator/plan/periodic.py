@@ -13,9 +13,11 @@ traces at consecutive counts and checked against the next one (``holds``).
 from __future__ import annotations
 
 import difflib
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
+T = TypeVar("T", bound=Hashable)
 Token = tuple[Any, ...]  # ("A", kind, layer code) or ("F", kind, (side, rank))
 
 
@@ -23,16 +25,24 @@ class NotPeriodic(Exception):
     """The traces do not repeat as the rule needs (blocks with depth, samples with the batch): simulate in full."""
 
 
-def inserts(base: list[Token], more: list[Token]) -> list[tuple[int, list[Token]]]:
+def inserts(base: Sequence[T], more: Sequence[T], rightmost: bool = False) -> list[tuple[int, list[T]]]:
     """(position in ``base``, tokens inserted there) that make ``more`` from ``base``; NotPeriodic if ``more``
-    is not ``base`` with insertions."""
+    is not ``base`` with insertions. ``rightmost``: each segment moved as far on as it goes with the same result
+    (inserted after the run of copies it joins, rotated: a loop's new last pass, not one in its middle)."""
     matcher = difflib.SequenceMatcher(None, base, more, autojunk=False)
     found = []
     for tag, i1, _, j1, j2 in matcher.get_opcodes():
         if tag == "insert":
-            found.append((i1, more[j1:j2]))
+            found.append((i1, list(more[j1:j2])))
         elif tag != "equal":
             raise NotPeriodic(f"a {tag} at event {i1}")
+    if rightmost:
+        for n, (pos, segment) in enumerate(found):
+            limit = found[n + 1][0] if n + 1 < len(found) else len(base)
+            while pos < limit and base[pos] == segment[0]:  # the same: base[:p+1] + s[1:] + s[:1] + base[p+1:]
+                segment = segment[1:] + segment[:1]
+                pos += 1
+            found[n] = (pos, segment)
     return found
 
 
@@ -79,10 +89,10 @@ class Rule:
         return self.kind, tuple(len(s) for s in self.segments)
 
 
-def repeated(base: int, first: list[Token], second: list[Token]) -> Rule:
+def repeated(base: int, first: list[Token], second: list[Token], rightmost: bool = False) -> Rule:
     """The rule that inserts each segment of ``second`` again next to its first copy (a repeat more repeats
     each segment once more)."""
-    found = inserts(first, second)
+    found = inserts(first, second, rightmost)
     shifts, before = [], 0
     for _, segment in found:
         shifts.append(before)
@@ -90,11 +100,11 @@ def repeated(base: int, first: list[Token], second: list[Token]) -> Rule:
     return Rule("repeated", base, tuple(p for p, _ in found), tuple(shifts), tuple(tuple(s) for _, s in found))
 
 
-def drifting(base: int, first: list[Token], second: list[Token], third: list[Token]) -> Rule:
+def drifting(base: int, first: list[Token], second: list[Token], third: list[Token], rightmost: bool = False) -> Rule:
     """The rule whose insertion points move as the two steps ``first`` -> ``second`` -> ``third`` (counts
     ``base - 1`` to ``base + 1``) show, growing ``second``: for a segment the alignment put at another copy of
     its run the second time (a rotation of the first). Fitted on three counts: a fourth must check it."""
-    one, two = inserts(first, second), inserts(second, third)
+    one, two = inserts(first, second, rightmost), inserts(second, third, rightmost)
     if [len(s) for _, s in one] != [len(s) for _, s in two]:
         raise NotPeriodic("the segments inserted from one count to the next differ")
     shifts = tuple(q - p for (p, _), (q, _) in zip(one, two, strict=True))

@@ -1,4 +1,4 @@
-"""Allocator replays of steps (traces and affine traces), cached for a search.
+"""Allocator replays of steps (traces, affine and growing traces), cached for a search.
 
 >>> cache = ReplayCache(reserve_bytes=256 * 2**20)                         # doctest: +SKIP
 >>> cache.replay(affine, 64, get_gpu("A100-80GB")).fits
@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from estimator.gpus import GPU
+from estimator.plan.growing import GrowingTrace
 from estimator.replay.allocator import AllocatorConfig, ReplayResult, replay_sized
 from estimator.replay.report import MemoryReport, peak_allocation, report_from_replays
 from estimator.trace import Step, Trace
@@ -53,7 +54,8 @@ class ReplayCache:
                     assumptions: Sequence[str] = ()) -> MemoryReport:
         capped = self.replay(step, batch, gpu)
         unlimited = capped if capped.fits else self.replay(step, batch, gpu, capped=False)
-        k = peak_allocation(step.events, capped, unlimited)  # where the peak falls: the step's own record
-        return report_from_replays(capped, unlimited, batch, gpu, where=("", "", 0) if k is None else step.where(k),
+        at = step.at(batch) if isinstance(step, GrowingTrace) else step  # the events of this batch
+        k = peak_allocation(at.events, capped, unlimited)  # where the peak falls: the step's own record
+        return report_from_replays(capped, unlimited, batch, gpu, where=("", "", 0) if k is None else at.where(k),
                                    unsupported=unsupported, assumptions=assumptions, reserve_bytes=self.reserve_bytes,
-                                   trace=step if isinstance(step, Trace) else None)
+                                   trace=at if isinstance(at, Trace) else None)

@@ -22,6 +22,8 @@ from typing import Any, Protocol
 from estimator.gpus import GPU
 from estimator.options import MAX_BATCH
 from estimator.plan.affine import AffineTrace, fit
+from estimator.plan.growing import MORE, Deeper, GrowingTrace, grow
+from estimator.plan.periodic import NotPeriodic
 from estimator.plan.replays import ReplayCache
 from estimator.replay.allocator import ReplayResult
 from estimator.replay.report import MemoryReport
@@ -30,6 +32,9 @@ from estimator.trace import Step, Trace
 # The third trace that checks the affine fit: far enough from the first two
 # that a size growing other than linearly shows.
 CHECK_OFFSET = 7
+
+# what the planner replays for any batch: an affine trace, or a growing one (a step with loops over its samples)
+Fitted = AffineTrace | GrowingTrace
 
 
 @dataclass(frozen=True)
@@ -96,7 +101,8 @@ class Steps:
         self.reserve_bytes = reserve_bytes
         self.simulations = 0  # full simulations run
         self.traces: dict[tuple[int, Hashable], Step] = {}
-        self.affines: dict[Hashable, AffineTrace | None] = {}  # checked against a third full simulation
+        self.affines: dict[Hashable, Fitted | None] = {}  # checked against a third full simulation
+        self._growing: dict[tuple[Hashable, int], GrowingTrace | None] = {}
         self._fits: dict[tuple[Hashable, int, bool], AffineTrace | None] = {}
         self._reports: dict[tuple[int, GPU], MemoryReport] = {}
 
@@ -131,7 +137,10 @@ class Steps:
             step = self.trace(batch, gpu) if affine is None else affine
             like = step if affine is None else next((t for (_, s), t in self.traces.items() if s == sig), None)
             # a profile's steps carry no notes: its assumptions are the model's (the answer's top level)
-            notes = (like.unsupported, like.assumptions) if isinstance(like, Trace) else ((), ())
+            notes: tuple[Sequence[str], Sequence[str]] = (
+                (like.unsupported, like.assumptions) if isinstance(like, Trace) else ((), ()))
+            if isinstance(affine, GrowingTrace):  # the shortcut says so, as a deepened step does
+                notes = (notes[0], [*notes[1], affine.note])
             self._reports[key] = self.replays.step_report(step, batch, gpu, *notes)
         return self._reports[key]
 
@@ -169,16 +178,20 @@ class Steps:
         return self._fits[key]
 
     def _fit_through(self, batch: int, gpu: GPU) -> AffineTrace | None:
+        if (batch + 1, self.signature(gpu)) not in self.traces:  # the batch after, beside it: a growing trace's
+            self.prefetch(batch + 2, gpu, keep=batch + 1)
         first, second = self.trace(batch, gpu), self.trace(batch + 1, gpu)
         if not (isinstance(first, Trace) and isinstance(second, Trace)):
             return None
         return fit([(batch, first), (batch + 1, second)])
 
-    def candidates(self, start: int, gpu: GPU) -> Iterator[AffineTrace]:
-        """The fits to try, in order: through ``start`` (``fit``), then one batch up if that differs. A fit through
+    def candidates(self, start: int, gpu: GPU) -> Iterator[Fitted]:
+        """The fits to try, in order: through ``start`` (``fit``), then one batch up if that differs, then the
+        growing trace (``growing``: ops that change with the batch by segments per sample). A fit through
         ``start`` can pass ``fit``'s own test yet be off at other batches when the step takes other paths at
         ``start``; only a check against a third simulation tells. Lazy: the second fit (and its simulation at
-        ``start + 2``) only when the first is rejected. A profile's candidate is its own affine trace."""
+        ``start + 2``) only when the first is rejected, the growing trace (up to ``start + 4``) only when both
+        are. A profile's candidate is its own affine trace."""
         seed = self.source.seeds.get(self.signature(gpu))
         if seed is not None:
             yield seed.affine
@@ -189,8 +202,38 @@ class Steps:
         second = self.fit(start, gpu, skip_start=True)
         if second is not None and second != first:
             yield second
+        growing = self.growing(start, gpu)
+        if growing is not None:
+            yield growing
 
-    def check(self, affine: AffineTrace, batch: int, gpu: GPU) -> bool:
+    def growing(self, start: int, gpu: GPU) -> GrowingTrace | None:
+        """The growing trace through the full steps from ``start`` on (estimator/plan/growing.py), not yet
+        checked past them; None when the step's ops change with the batch otherwise, or when it cannot simulate.
+        Each batch past ``start + 2`` it needs is simulated with the next one beside it."""
+        key = (self.signature(gpu), start)
+        if key not in self._growing:
+            found: GrowingTrace | None = None
+            traces: dict[int, Trace] = {}
+            for b in range(start, start + MORE + 1):
+                if len(traces) > 2 and b < start + MORE:
+                    self.prefetch(b + 1, gpu, keep=b)
+                trace = self.trace(b, gpu)
+                if not isinstance(trace, Trace):
+                    break  # a profile's: seeded, never grown
+                traces[b] = trace
+                if len(traces) < 3:
+                    continue
+                try:
+                    found = grow(traces, start)
+                    break
+                except Deeper:
+                    continue
+                except NotPeriodic:
+                    break
+            self._growing[key] = found
+        return self._growing[key]
+
+    def check(self, affine: Fitted, batch: int, gpu: GPU) -> bool:
         """Whether a full simulation at ``batch`` records exactly the step ``affine`` synthesizes there; when it
         does, ``affine`` answers ``report(exact=False)`` for the card's signature from then on. A source that
         cannot simulate checks nothing."""
@@ -202,7 +245,7 @@ class Steps:
         self.affines.setdefault(self.signature(gpu), affine)
         return True
 
-    def affine(self, start: int, gpu: GPU) -> AffineTrace | None:
+    def affine(self, start: int, gpu: GPU) -> Fitted | None:
         """``fit``, checked by a full simulation at ``start + 1 + CHECK_OFFSET`` (a profile's own, checked when it
         was made); None when the step is not affine in the batch."""
         sig = self.signature(gpu)
@@ -214,7 +257,7 @@ class Steps:
                 self.affines[sig] = None
         return self.affines[sig]
 
-    def known_affine(self, gpu: GPU) -> AffineTrace | None:
+    def known_affine(self, gpu: GPU) -> Fitted | None:
         """The checked affine trace for ``gpu``'s signature, if one is known already (no simulation)."""
         sig = self.signature(gpu)
         seed = self.source.seeds.get(sig)

@@ -15,11 +15,10 @@ from collections.abc import Hashable
 
 from estimator.gpus import GPU
 from estimator.options import MAX_BATCH, ConfirmMode
-from estimator.plan.affine import AffineTrace
 from estimator.plan.notes import Notes
 from estimator.plan.results import Search, SearchMethod, WarningCode
 from estimator.plan.search import aligned_within, headroom_capacity, max_batch, max_batch_between, recommended
-from estimator.plan.steps import Steps
+from estimator.plan.steps import Fitted, Steps
 from estimator.replay.report import MemoryReport
 
 Answer = tuple[int | None, Search]
@@ -83,7 +82,7 @@ def _search_group(steps: Steps, cards: list[GPU], start: int, confirm: ConfirmMo
     return [_full_search(steps, card, start) for card in cards]
 
 
-def _replay_searches(steps: Steps, profile: AffineTrace, cards: list[GPU], start: int) -> list[int]:
+def _replay_searches(steps: Steps, profile: Fitted, cards: list[GPU], start: int) -> list[int]:
     bests, gap = [], 2
     for card in cards:
         best, gap = replay_search(steps, profile, card, start, gap)
@@ -91,7 +90,7 @@ def _replay_searches(steps: Steps, profile: AffineTrace, cards: list[GPU], start
     return bests
 
 
-def replay_search(steps: Steps, profile: AffineTrace, card: GPU, start: int, gap: int = 2) -> tuple[int, int]:
+def replay_search(steps: Steps, profile: Fitted, card: GPU, start: int, gap: int = 2) -> tuple[int, int]:
     """(max batch on ``card`` by replays of ``profile``, how far below the bound it lies); the step fits
     at ``start``.
 
