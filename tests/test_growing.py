@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import pytest
 
+from estimator.errors import SpecError
 from estimator.gpus import GPU, custom_gpu
-from estimator.options import PlanOptions
+from estimator.options import ConfirmMode, PlanOptions
 from estimator.plan.answer import answer
 from estimator.plan.growing import Deeper, GrowingTrace, grow
 from estimator.plan.periodic import NotPeriodic
 from estimator.plan.results import SearchMethod
-from estimator.plan.steps import ModelFacts
+from estimator.plan.steps import ModelFacts, Steps
+from estimator.portable.profile import profile_of
 from estimator.trace import Allocation, Category, Phase, Trace
 
 pytestmark = pytest.mark.unit
@@ -149,3 +151,26 @@ def test_the_planner_searches_a_growing_step_by_replays_and_checks_it_past_the_t
         shared = [p for p in mine.curve if p.batch_size in by_batch]
         assert shared and all(p == by_batch[p.batch_size] for p in shared)
     assert len(set(full_source.simulated)) > 2 * len(set(grown_source.simulated))
+
+
+@pytest.mark.parametrize(("confirm", "method"), [(ConfirmMode.NONE, SearchMethod.AFFINE),
+                                                 (ConfirmMode.EVERY_CARD, SearchMethod.AFFINE_CONFIRMED)])
+def test_the_other_confirm_modes_take_the_growing_trace_too(confirm: ConfirmMode, method: SearchMethod) -> None:
+    """``none`` checks it at start + 8 only, ``every-card`` by full simulations at each max and max + 1: the same
+    answers as ``top``'s."""
+    cards = [custom_gpu(f"card-{n}", n * MIB, "8.0", context_bytes=0) for n in (400, 800)]
+    top = answer(LoopSource(), cards, PlanOptions(reserve_bytes=0))
+    source = LoopSource()
+    other = answer(source, cards, PlanOptions(reserve_bytes=0, confirm=confirm))
+    assert [r.search.method for r in other.results] == [method] * 2
+    assert [(r.max_batch_size, r.recommended_batch_size) for r in other.results] == [
+        (r.max_batch_size, r.recommended_batch_size) for r in top.results]
+    assert 9 in source.simulated  # the fit's check at start + 8
+
+
+def test_a_growing_step_cannot_be_profiled() -> None:
+    """A portable profile holds affine traces only: a step that grows by the sample is refused, as before."""
+    steps = Steps(LoopSource())
+    with pytest.raises(SpecError, match="ops do not change with the batch size"):
+        profile_of(steps, lambda card: "shared", [custom_gpu("card", 400 * MIB, "8.0", context_bytes=0)], 1,
+                   request={}, versions={})
