@@ -4,7 +4,8 @@ CPU training step of resnet50 at batch 32 measured in this run.
 
 Prints, per case: the seconds of ``estimate`` in that process (imports excluded: a worker has them), the
 full simulations it ran and the seconds with the imports; then each case's ratio to the median of the CPU steps
-measured in the run (three before the first case, one after each: this host is shared and its speed drifts)
+measured in the run (the median of three before the first case, then one after each: this host is shared and
+its speed drifts)
 and the aim.
 
     python bench/cold_speed.py [--only NAME]

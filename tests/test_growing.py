@@ -1,7 +1,7 @@
 """The growing trace (estimator/plan/growing.py): a step with loops over its samples, synthesized at any batch
 from full simulations at a few small ones, byte for byte; the planner searches it by replays and checks it by a
-full simulation past the largest answer. Fake steps here (no torch); tests/test_depth.py's neighbour,
-``test_detection_grows_byte_for_byte``, checks a real detection model."""
+full simulation past the largest answer. Fake steps here (no torch); tests/test_growing_detection.py checks a real
+detection model."""
 
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def test_the_growing_trace_is_the_step_at_every_batch(queue: bool, counted: bool
         except Deeper:
             continue
     assert isinstance(found, GrowingTrace)
-    for b in [1, 2, 6, 7, 13, 40, 97]:
+    for b in [97, 13, 40, 6, 7, 1, 2, 41]:  # out of order: each grown from the nearest batch kept below it
         step = looped(b, queue=queue, counted=counted)
         assert found.matches(step, b)
         mine = found.at(b)
@@ -174,3 +174,26 @@ def test_a_growing_step_cannot_be_profiled() -> None:
     with pytest.raises(SpecError, match="ops do not change with the batch size"):
         profile_of(steps, lambda card: "shared", [custom_gpu("card", 400 * MIB, "8.0", context_bytes=0)], 1,
                    request={}, versions={})
+
+
+def test_past_the_longest_step_it_synthesizes_the_search_is_by_full_simulations(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A live bound that would need a step longer than ``MAX_EVENTS`` (here 200 events: about batch 24) is not
+    synthesized: the group is searched by full simulations, to the same answers; a flat live peak at the known
+    batches gallops up from them rather than jumping to the batch limit."""
+    from estimator.plan import growing
+
+    cards = [custom_gpu(f"card-{n}", n * MIB, "8.0", context_bytes=0) for n in (400, 1600)]
+    expected = [(r.max_batch_size, r.recommended_batch_size) for r in
+                answer(LoopSource(), cards, PlanOptions(reserve_bytes=0)).results]
+    monkeypatch.setattr(growing, "MAX_EVENTS", 200)
+    capped = answer(LoopSource(), cards, PlanOptions(reserve_bytes=0))
+    assert [r.search.method for r in capped.results] == [SearchMethod.FULL] * 2
+    assert [(r.max_batch_size, r.recommended_batch_size) for r in capped.results] == expected
+    monkeypatch.undo()
+    found = grow({b: looped(b) for b in range(1, 6)}, 1)
+    probed: list[int] = []
+    live_at = found.live_at
+    monkeypatch.setattr(found, "live_at", lambda b, ws: probed.append(b) or (live_at(b, ws) if b <= 5 else 0))
+    assert found.live_bound(10**12, 0, 4096) == 4096  # nothing bounds a flat peak: the limit, by galloping
+    assert sorted(probed)[-2] <= 2048 and len(probed) < 20

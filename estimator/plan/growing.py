@@ -34,6 +34,7 @@ from estimator.trace import SOFT_CATEGORIES, Allocation, Category, Sized, Trace
 MORE = 4  # the most batches past the smallest a rule may need: a drifting rule at start + 2 is found on start + 1
 # to start + 4
 KEEP = 6  # the synthesized traces kept (the replays of each are cached by the planner; a trace is rebuilt cheaply)
+MAX_EVENTS = 4_000_000  # the longest step synthesized (about 4 s to decode): past it, full simulations
 
 
 
@@ -163,6 +164,7 @@ class GrowingTrace:
     note: str
     counts: tuple[tuple[int, ...], ...]  # per segment, per token: how much a free's rank grows per copy (0: none)
     _made: OrderedDict[int, Trace] = field(default_factory=OrderedDict, repr=False)
+    _tokens: OrderedDict[int, list[Token]] = field(default_factory=OrderedDict, repr=False)
     _live: dict[tuple[int, int], int] = field(default_factory=dict, repr=False)
 
     @property
@@ -170,14 +172,15 @@ class GrowingTrace:
         return min(self.known)
 
     def at(self, batch: int) -> Trace:
-        """The full step at ``batch`` (>= ``min_batch``)."""
+        """The full step at ``batch`` (>= ``min_batch``); NotPeriodic where it cannot be synthesized (past
+        ``MAX_EVENTS``, or a free of nothing: the planner simulates that batch instead)."""
         if batch in self.known:
             return self.known[batch]
         if batch < self.min_batch:
             raise ValueError(f"batch {batch} is below the growing trace's first, {self.min_batch}")
         made = self._made.get(batch)
         if made is None:
-            allocations, events = decode(grown(self.rule, self.counts, self.base, batch - self.rule.base), batch)
+            allocations, events = decode(self._tokens_at(batch), batch)
             template, after = self.known[self.rule.base], self.known[self.rule.base + 1]
             made = dataclasses.replace(template, allocations=allocations, events=events,
                                        flops=template.flops + (after.flops - template.flops) * (batch - self.rule.base),
@@ -187,6 +190,20 @@ class GrowingTrace:
                 self._made.popitem(last=False)
         self._made.move_to_end(batch)
         return made
+
+    def _tokens_at(self, batch: int) -> list[Token]:
+        """The tokens at ``batch``, grown from the nearest batch below whose tokens are kept (each copy costs a
+        pass over the tokens: growing from the base every time would cost the batch squared)."""
+        per_sample = sum(len(s) for s in self.rule.segments)
+        if len(self.base) + per_sample * (batch - self.rule.base) > MAX_EVENTS:
+            raise NotPeriodic(f"the step at batch {batch} is longer than {MAX_EVENTS} events")
+        below = max((b for b in self._tokens if b <= batch), default=self.rule.base)
+        tokens = self._tokens[below] if below in self._tokens else self.base
+        tokens = grown(self.rule, self.counts, tokens, batch - below, done=below - self.rule.base)
+        self._tokens[batch] = tokens
+        while len(self._tokens) > KEEP:
+            self._tokens.popitem(last=False)
+        return tokens
 
     # the planner's ``Step``, and what it asks of an affine trace
     @property
@@ -218,13 +235,14 @@ class GrowingTrace:
         batch can fit, whatever the allocator does); the search starts on the line through two known batches."""
         lo = self.min_batch
         if self.live_at(lo, workspace) > capacity:
-            return lo - 1
+            return min(lo - 1, limit)
         if lo >= limit:
             return limit
         hi = max(self.known)
         low, high = self.live_at(lo, workspace), self.live_at(hi, workspace)
         per_sample = (high - low) / max(hi - lo, 1)
-        guess = limit if per_sample <= 0 else lo + int((capacity - low) / per_sample)
+        # a flat peak at small batches (the optimizer's): gallop up from the last known batch instead
+        guess = 2 * hi if per_sample <= 0 else lo + int((capacity - low) / per_sample)
         return max_batch_between(lambda b: self.live_at(b, workspace) <= capacity, lo, limit + 1,
                                  min(max(guess, lo + 1), limit))
 
@@ -256,12 +274,13 @@ def counted(rule: Rule, first: list[Token], second: list[Token]) -> tuple[tuple[
     return tuple(counts)
 
 
-def grown(rule: Rule, counts: Sequence[Sequence[int]], tokens: list[Token], blocks: int) -> list[Token]:
+def grown(rule: Rule, counts: Sequence[Sequence[int]], tokens: list[Token], blocks: int,
+          done: int = 0) -> list[Token]:
     """``Rule.grown`` with counted ranks: the ``k``-th copy of a segment past the rule's own has each free's
-    rank grown by ``k`` times its count."""
+    rank grown by ``k`` times its count; ``done``: the copies ``tokens`` already has past the rule's base."""
     if not any(any(c) for c in counts):
-        return rule.grown(tokens, blocks)
-    for k in range(blocks):
+        return rule.grown(tokens, blocks, done)
+    for k in range(done, done + blocks):
         out: list[Token] = []
         at = 0
         for pos, shift, segment, count in zip(rule.positions, rule.shifts, rule.segments, counts, strict=True):

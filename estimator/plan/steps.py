@@ -141,7 +141,10 @@ class Steps:
                 (like.unsupported, like.assumptions) if isinstance(like, Trace) else ((), ()))
             if isinstance(affine, GrowingTrace):  # the shortcut says so, as a deepened step does
                 notes = (notes[0], [*notes[1], affine.note])
-            self._reports[key] = self.replays.step_report(step, batch, gpu, *notes)
+            try:
+                self._reports[key] = self.replays.step_report(step, batch, gpu, *notes)
+            except NotPeriodic:  # a growing trace that cannot be synthesized there: the full step
+                self._reports[key] = self.report(batch, gpu)
         return self._reports[key]
 
     def simulated(self, gpu: GPU) -> list[int]:
@@ -157,7 +160,10 @@ class Steps:
             self.source.speculate(batch, gpu, keep)
 
     def replay(self, step: Step, batch: int, gpu: GPU, capped: bool = True) -> ReplayResult:
-        return self.replays.replay(step, batch, gpu, capped)
+        try:
+            return self.replays.replay(step, batch, gpu, capped)
+        except NotPeriodic:  # a growing trace that cannot be synthesized there (too long): the full step
+            return self.replays.replay(self.trace(batch, gpu), batch, gpu, capped)
 
     def fit(self, start: int, gpu: GPU, skip_start: bool = False) -> AffineTrace | None:
         """The affine trace through batches ``start`` and ``start + 1`` (through ``start + 1`` and ``start + 2``
@@ -173,13 +179,13 @@ class Steps:
             if not skip_start:
                 found = self._fit_through(start, gpu)
             if found is None:
+                if (start + 2, self.signature(gpu)) not in self.traces:  # the next beside it: a growing trace's
+                    self.prefetch(start + 3, gpu, keep=start + 2)
                 found = self._fit_through(start + 1, gpu)
             self._fits[key] = found
         return self._fits[key]
 
     def _fit_through(self, batch: int, gpu: GPU) -> AffineTrace | None:
-        if (batch + 1, self.signature(gpu)) not in self.traces:  # the batch after, beside it: a growing trace's
-            self.prefetch(batch + 2, gpu, keep=batch + 1)
         first, second = self.trace(batch, gpu), self.trace(batch + 1, gpu)
         if not (isinstance(first, Trace) and isinstance(second, Trace)):
             return None
@@ -240,14 +246,18 @@ class Steps:
         if not self.can_confirm:
             return False
         trace = self.trace(batch, gpu)
-        if not (isinstance(trace, Trace) and affine.matches(trace, batch)):
+        try:
+            if not (isinstance(trace, Trace) and affine.matches(trace, batch)):
+                return False
+        except NotPeriodic:  # a growing trace that cannot be synthesized there: no check
             return False
         self.affines.setdefault(self.signature(gpu), affine)
         return True
 
     def affine(self, start: int, gpu: GPU) -> Fitted | None:
-        """``fit``, checked by a full simulation at ``start + 1 + CHECK_OFFSET`` (a profile's own, checked when it
-        was made); None when the step is not affine in the batch."""
+        """``fit`` (else the growing trace), checked by a full simulation at ``start + 1 + CHECK_OFFSET`` (a
+        profile's own, checked when it was made); None when the step is neither affine nor growing in the
+        batch."""
         sig = self.signature(gpu)
         seed = self.source.seeds.get(sig)
         if seed is not None:
@@ -258,7 +268,8 @@ class Steps:
         return self.affines[sig]
 
     def known_affine(self, gpu: GPU) -> Fitted | None:
-        """The checked affine trace for ``gpu``'s signature, if one is known already (no simulation)."""
+        """The checked affine (or growing) trace for ``gpu``'s signature, if one is known already (no
+        simulation)."""
         sig = self.signature(gpu)
         seed = self.source.seeds.get(sig)
         return seed.affine if seed is not None else self.affines.get(sig)

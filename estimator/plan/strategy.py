@@ -16,6 +16,7 @@ from collections.abc import Hashable
 from estimator.gpus import GPU
 from estimator.options import MAX_BATCH, ConfirmMode
 from estimator.plan.notes import Notes
+from estimator.plan.periodic import NotPeriodic
 from estimator.plan.results import Search, SearchMethod, WarningCode
 from estimator.plan.search import aligned_within, headroom_capacity, max_batch, max_batch_between, recommended
 from estimator.plan.steps import Fitted, Steps
@@ -65,10 +66,13 @@ def _search_group(steps: Steps, cards: list[GPU], start: int, confirm: ConfirmMo
         return [(best, Search(method)) for best in bests]
     checked: list[int] = []
     for profile in steps.candidates(start, first):
-        if len(cards) > 1:  # the check at the widest card's max + 1, simulated beside the other cards' replays
-            widest = max(cards, key=lambda c: c.usable_bytes(steps.reserve_bytes))
-            steps.prefetch(min(replay_search(steps, profile, widest, start)[0] + 1, MAX_BATCH), first)
-        bests = _replay_searches(steps, profile, cards, start)
+        try:
+            if len(cards) > 1:  # the check at the widest card's max + 1, simulated beside the other cards' replays
+                widest = max(cards, key=lambda c: c.usable_bytes(steps.reserve_bytes))
+                steps.prefetch(min(replay_search(steps, profile, widest, start)[0] + 1, MAX_BATCH), first)
+            bests = _replay_searches(steps, profile, cards, start)
+        except NotPeriodic:  # a growing trace's live bound past what it synthesizes: full simulations
+            continue
         top = min(max(bests) + 1, MAX_BATCH)
         if steps.check(profile, top, first):
             return [(best, Search(SearchMethod.AFFINE_CHECKED, top)) for best in bests]
