@@ -179,8 +179,6 @@ class Steps:
             if not skip_start:
                 found = self._fit_through(start, gpu)
             if found is None:
-                if (start + 2, self.signature(gpu)) not in self.traces:  # the next beside it: a growing trace's
-                    self.prefetch(start + 3, gpu, keep=start + 2)
                 found = self._fit_through(start + 1, gpu)
             self._fits[key] = found
         return self._fits[key]
