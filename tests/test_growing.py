@@ -169,11 +169,13 @@ def test_the_other_confirm_modes_take_the_growing_trace_too(confirm: ConfirmMode
 
 
 def test_a_growing_step_cannot_be_profiled() -> None:
-    """A portable profile holds affine traces only: a step that grows by the sample is refused, as before."""
-    steps = Steps(LoopSource())
+    """A portable profile holds affine traces only: a step that grows by the sample is refused, as before, once
+    its affine fits fail."""
+    source = LoopSource()
     with pytest.raises(SpecError, match="ops do not change with the batch size"):
-        profile_of(steps, lambda card: "shared", [custom_gpu("card", 400 * MIB, "8.0", context_bytes=0)], 1,
+        profile_of(Steps(source), lambda card: "shared", [custom_gpu("card", 400 * MIB, "8.0", context_bytes=0)], 1,
                    request={}, versions={})
+    assert sorted(set(source.simulated)) == [1, 2, 3]  # the affine fits' batches: no growing trace is sought
 
 
 def test_past_the_longest_step_it_synthesizes_the_search_is_by_full_simulations(

@@ -88,8 +88,10 @@ def profile_of(steps: Steps, backend_key: Callable[[GPU], str], cards: Sequence[
         if trace.card_queries:
             raise SpecError("model", model.name, "a model that does not ask torch.cuda about the card "
                             f"(it asked {', '.join(trace.card_queries)}): profile it per card")
-        fitted = steps.affine(start, card)
-        if not isinstance(fitted, AffineTrace):  # None, or a growing trace: its ops change with the batch
+        # no affine fit (its ops change with the batch): refused before the growing trace's simulations
+        unfit = steps.fit(start, card) is None and steps.fit(start, card, skip_start=True) is None
+        fitted = None if unfit else steps.affine(start, card)
+        if not isinstance(fitted, AffineTrace):  # None, or a growing trace
             raise SpecError("model", model.name, "a step whose ops do not change with the batch size "
                             "(a portable profile synthesizes every batch from two)")
         affine[key], first[key] = fitted, concrete(trace)
