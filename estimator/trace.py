@@ -107,16 +107,17 @@ class Trace:
         a = self.allocations[k]
         return a.phase, a.module, a.iteration
 
-    def live_peak(self, hard_only: bool = False) -> tuple[int, int]:
+    def live_peak(self, hard_only: bool = False, workspace: int | None = None) -> tuple[int, int]:
         """(peak of live requested bytes, event index): what a profiler of the raw allocator sees.
         ``hard_only``: without the allocations a replay may skip (cuDNN workspaces), as the affine
-        trace's ``live_at`` bounds them."""
+        trace's ``live_at`` bounds them; ``workspace``: the cuBLAS workspace as a card's (``sizes``)."""
         live = peak = idx = 0
         allocs = self.allocations
+        sizes = [a.nbytes for a in allocs] if workspace is None else self.sizes(workspace)
         for i, (is_alloc, k) in enumerate(self.events):
             if hard_only and allocs[k].category in SOFT_CATEGORIES:
                 continue
-            live += allocs[k].nbytes if is_alloc else -allocs[k].nbytes
+            live += sizes[k] if is_alloc else -sizes[k]
             if live > peak:
                 peak, idx = live, i
         return peak, idx

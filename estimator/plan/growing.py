@@ -3,17 +3,17 @@
 A detection model's step loops over its images (the transform resizes each
 one, anchors, proposals and the RoI heads' samples are chosen per image):
 its ops change with the batch, so it has no affine trace
-(estimator/plan/affine.py). Read as tokens (an allocation by what it is but
-not its bytes, a free by its rank among the live allocations of its kind,
-from the nearer end), the trace at ``b + 1`` is often the trace at ``b``
-with the same segments inserted at fixed points (a rule,
-estimator/plan/periodic.py), the allocations the trace at ``b`` had grown
-affinely in the batch and the inserted ones of constant bytes. Then the
-step at any batch follows from the full simulations at three to five
-consecutive small batches (``grow``), checked as the affine trace is: the
-rule, found on the tokens, must give the next batch's trace byte for byte,
-and the planner checks the result once more by a full simulation just past
-the group's largest answer (``matches``).
+(estimator/plan/affine.py). Read as tokens (an allocation by what it is and
+its bytes as a line through two batches, a free by its rank among the live
+allocations of that kind and line, from the end where the rank stays the
+same at the next batch: ``tokens_of``), the trace at ``b + 1`` is often the
+trace at ``b`` with the same segments inserted at fixed points (a rule,
+estimator/plan/periodic.py), the inserted allocations of constant bytes.
+Then the step at any batch follows from the full simulations at three to
+five consecutive small batches (``grow``), checked as the affine trace is:
+the rule, found on the tokens, must give the trace two samples past its
+base byte for byte, and the planner checks the result once more by a full
+simulation just past the group's largest answer (``matches``).
 
 >>> growing = grow({1: t1, 2: t2, 3: t3, 4: t4, 5: t5}, start=1)          # doctest: +SKIP
 >>> growing.at(40).events == simulate(40).events                         # the same events, every byte
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from estimator.plan.periodic import NotPeriodic, Rule, Token, drifting, inserts, repeated
 from estimator.plan.search import max_batch_between
-from estimator.trace import SOFT_CATEGORIES, Allocation, Category, Sized, Trace
+from estimator.trace import Allocation, Category, Sized, Trace
 
 MORE = 4  # the most batches past the smallest a rule may need: a drifting rule at start + 2 is found on start + 1
 # to start + 4
@@ -220,14 +220,7 @@ class GrowingTrace:
         """The peak of requested bytes live at once at ``batch`` (the allocations a replay may skip left out)."""
         key = (batch, workspace)
         if key not in self._live:
-            events, sizes, categories, _ = self.sized(batch, workspace)
-            live = peak = 0
-            for alloc, k in events:
-                if categories[k] in SOFT_CATEGORIES:
-                    continue
-                live += sizes[k] if alloc else -sizes[k]
-                peak = max(peak, live)
-            self._live[key] = peak
+            self._live[key] = self.at(batch).live_peak(hard_only=True, workspace=workspace)[0]
         return self._live[key]
 
     def live_bound(self, capacity: int, workspace: int, limit: int) -> int:
@@ -280,17 +273,11 @@ def grown(rule: Rule, counts: Sequence[Sequence[int]], tokens: list[Token], bloc
     rank grown by ``k`` times its count; ``done``: the copies ``tokens`` already has past the rule's base."""
     if not any(any(c) for c in counts):
         return rule.grown(tokens, blocks, done)
-    for k in range(done, done + blocks):
-        out: list[Token] = []
-        at = 0
-        for pos, shift, segment, count in zip(rule.positions, rule.shifts, rule.segments, counts, strict=True):
-            out.extend(tokens[at:pos + k * shift])
-            out.extend(t if not c else (*t[:2], (t[2][0], t[2][1] + c * k)) for t, c in zip(segment, count,
-                                                                                            strict=True))
-            at = pos + k * shift
-        out.extend(tokens[at:])
-        tokens = out
-    return tokens
+
+    def copy(i: int, k: int) -> list[Token]:
+        return [t if not c else (*t[:2], (t[2][0], t[2][1] + c * k))
+                for t, c in zip(rule.segments[i], counts[i], strict=True)]
+    return rule.grown(tokens, blocks, done, copy)
 
 
 class Deeper(NotPeriodic):

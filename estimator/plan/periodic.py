@@ -13,7 +13,7 @@ traces at consecutive counts and checked against the next one (``holds``).
 from __future__ import annotations
 
 import difflib
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -57,15 +57,17 @@ class Rule:
     shifts: tuple[int, ...]
     segments: tuple[tuple[Token, ...], ...]
 
-    def grown(self, tokens: list[Token], blocks: int, done: int = 0) -> list[Token]:
+    def grown(self, tokens: list[Token], blocks: int, done: int = 0,
+              copy: Callable[[int, int], Sequence[Token]] | None = None) -> list[Token]:
         """The tokens ``blocks`` repeats more than ``tokens``, the trace ``done`` repeats past ``base`` (by default
-        the trace at ``base`` itself)."""
+        the trace at ``base`` itself). ``copy(i, k)``: segment ``i`` as the ``k``-th repeat past ``base`` inserts
+        it, where copies differ (by default each is ``segments[i]``)."""
         for k in range(done, done + blocks):
             out: list[Token] = []
             at = 0
-            for pos, shift, segment in zip(self.positions, self.shifts, self.segments, strict=True):
+            for i, (pos, shift, segment) in enumerate(zip(self.positions, self.shifts, self.segments, strict=True)):
                 out.extend(tokens[at:pos + k * shift])
-                out.extend(segment)
+                out.extend(segment if copy is None else copy(i, k))
                 at = pos + k * shift
             out.extend(tokens[at:])
             tokens = out
