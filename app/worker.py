@@ -109,7 +109,9 @@ def serve(conn: Connection) -> None:
         validate_on_gpu,
         validation_json,
     )
+    from estimator.models.registry import warm
 
+    warm()  # the model libraries, imported once here rather than in each cold estimate
     conn.send(("ready", os.getpid()))
     while True:
         try:

@@ -43,7 +43,8 @@ import json, sys, time
 t0 = time.perf_counter()
 from estimator.pipeline import estimate
 from estimator.request.parse import parse_request
-import torch, torchvision, transformers  # what a worker has imported before its first request
+from estimator.models.registry import warm
+warm()  # what a worker has imported before its first request (app/worker.py)
 t1 = time.perf_counter()
 response = estimate(parse_request(json.loads(sys.argv[1])))
 t2 = time.perf_counter()

@@ -58,7 +58,7 @@ def estimate(request: EstimateRequest, *, built: BuiltModel | None = None, progr
 
 def _answer(request: EstimateRequest, job: Job, source: Simulator, t0: float | None = None) -> EstimateResponse:
     if job.plan.world_size is not None:
-        source.prefetch(2, job.cards[0])  # every search needs batch 2 (a fit point, or the start), beside batch 1
+        source.prefetch_second(2, job.cards[0])  # every search needs batch 2 (a fit point, or the start)
     return answer(source, job.cards, job.plan, source_for=_sources(request, source.built, source.progress), started=t0)
 
 
@@ -81,7 +81,7 @@ def make_profile(request: EstimateRequest, *, built: BuiltModel | None = None,
     job = job_of(request)
     built = built or build(job.model, job.input)
     source = Simulator(built, job.recipe, progress)
-    source.prefetch(2, job.cards[0])
+    source.prefetch_second(2, job.cards[0])
     steps, notes = Steps(source, job.plan.reserve_bytes), Notes()
     start = smallest_batch(steps, job.cards[0], notes)
     doc = request.model_dump(mode="json", exclude={"gpus", "batch_size"})

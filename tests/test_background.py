@@ -52,6 +52,18 @@ def test_failure_and_timeout_give_none_and_leave_no_child() -> None:
     assert not _alive(pid)
 
 
+def test_a_child_still_working_is_waited_for() -> None:
+    """The timeout counts only while the child uses no CPU: one computing past it comes back (the caller would
+    start the same work over); one asleep that long is stuck."""
+    def busy() -> int:
+        end, n = time.process_time() + 1.5, 0
+        while time.process_time() < end:
+            n += 1
+        return n
+
+    assert Background(busy).result(timeout=0.5) > 0
+
+
 def test_child_dies_with_its_parent(tmp_path) -> None:
     """A service worker killed at its time limit takes its background simulation with it."""
     script = tmp_path / "parent.py"
@@ -113,12 +125,12 @@ def test_a_newer_guess_replaces_the_one_before_but_the_kept_one(parallel) -> Non
     except the one at ``keep`` (the probe being asked for now); a guess never collected counts no simulation."""
     built, sim = parallel
     sim.speculate(3, A100)
-    first = sim._pending[3, A100][0].pid
+    first = sim._pending[3, A100].pid
     sim.speculate(4, A100, keep=3)  # probing 3 now, guessing 4 next: both run
     assert set(sim._pending) == {(3, A100), (4, A100)} and _alive(first)
     fetched, runs = sim.simulate(3, A100)
     assert runs == 1 and (3, A100) not in sim._pending
-    guessed = sim._pending[4, A100][0].pid
+    guessed = sim._pending[4, A100].pid
     sim.speculate(6, A100, keep=5)  # the search went elsewhere: the guess at 4 is dropped
     assert set(sim._pending) == {(6, A100)}
     deadline = time.time() + 10

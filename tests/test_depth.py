@@ -163,11 +163,12 @@ def test_a_prefetched_simulation_hands_its_rule_to_the_parent(monkeypatch: pytes
         return record_built(built, batch, recipe, gpu, notes=notes)
 
     monkeypatch.setattr(depth, "record_built", counted)
+    monkeypatch.setattr(background, "spare_core", lambda: False)  # every shallow simulation here, counted
     trace, runs = simulator.simulate(2, A100)  # collected from the child, which searched the rule
     assert runs == 1 and shallow == [] and simulator.deepener.periodic and simulator.deepener.rule is not None
     _same(record_built(built, 2, recipe, A100), trace)
     learnt = simulator.deepener.rule
-    simulator.deepener.learn((False, None))  # what the parent knows stands
+    simulator.deepener.learn((False, None, {}))  # what the parent knows stands
     assert simulator.deepener.rule is learnt
     _same(record_built(built, 1, recipe, A100), simulator.simulate(1, A100)[0])
     assert shallow == [1, 1]  # by the rule: depths 1 and 2 alone, no search
@@ -255,3 +256,48 @@ def test_tokens_round_trip_and_name_each_block() -> None:
     three = tokens[:2] + [("A", kind, 1), ("F", kind, ("newest", 0))] + tokens[2:]
     names = [a.module for a in codec.decode(three, 3)[0]]
     assert names == ["m.layers.0.mlp", "m.layers.1.mlp", "m.layers.2.mlp"]
+
+
+def test_the_shallow_depths_are_split_between_two_cores_evenly() -> None:
+    assert depth._lanes([1, 2, 3]) == ([1, 2], [3])  # costs 2 + 3 here, 4 in the child
+    assert depth._lanes([2, 3]) == ([2], [3])
+    assert depth._lanes([2, 3, 4, 5]) == ([3, 4], [2, 5])
+    assert depth._lanes([4]) == ([], [4])
+
+
+def test_a_search_split_over_a_child_and_its_family_hint_give_the_full_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A first search with a spare core simulates its deepest shallow depths in a forked child: the same trace.
+    The rule it found tells the next simulator of the model and recipe family which depths to simulate first:
+    the ones the rule is checked on, all at once, with no round that finds too few."""
+    from estimator.simulate import background
+
+    monkeypatch.setattr(depth, "_FOUND", {})
+    monkeypatch.setattr(background, "enabled", lambda: True)
+    forked = []
+
+    class Counted(background.Background):
+        def __init__(self, fn) -> None:
+            forked.append(fn)
+            super().__init__(fn)
+
+    monkeypatch.setattr(background, "Background", Counted)
+    model, training = CASES["llama fsdp"]  # its rule needs depth 4: the search's first round finds too few
+    built, recipe = _built(model, training)
+    first = Deepener(built)
+    _same(record_built(built, 1, recipe, A100), first.record(1, recipe, A100))
+    assert forked and first.rule is not None
+    family = depth._family(built, recipe)
+    assert depth._FOUND[family] == (first.rule.kind, first.rule.base)
+
+    monkeypatch.setattr(background, "spare_core", lambda: False)  # every shallow simulation here, counted
+    asked: list[int] = []
+    shallow = Deepener._shallow
+
+    def counted(self, n, *args, **kwargs):
+        asked.append(n)
+        return shallow(self, n, *args, **kwargs)
+
+    monkeypatch.setattr(Deepener, "_shallow", counted)
+    second = Deepener(built)
+    _same(record_built(built, 1, recipe, A100), second.record(1, recipe, A100))
+    assert asked == list(depth._checked_on(*depth._FOUND[family])) and 1 not in asked

@@ -163,7 +163,7 @@ def fit_batch(built: BuiltModel, recipe: Recipe, card: GPU | None, *, batch_size
         zero_grad_at=recipe.zero_grad_at,
         advice=AdviceOptions(optimizer=recipe.optimizer, ranks=d.world_size, target_global_batch=target_global_batch))
     source = Simulator(built, recipe)
-    source.prefetch(2, card)  # every search needs batch 2 (a fit point, or the start), beside batch 1
+    source.prefetch_second(2, card)  # every search needs batch 2 (a fit point, or the start)
     steps, notes = Steps(source, options.reserve_bytes), Notes()
     start = smallest_batch(steps, card, notes)
     response = answer_at(steps, [card], options, start, notes, t0)

@@ -77,3 +77,18 @@ def model_spec_type() -> Any:
     """The request's ``model`` field: the sources' sections as one union, told apart by ``source``."""
     specs = tuple(s.spec for s in sources().values())
     return Annotated[Union[specs], Field(discriminator="source")]  # noqa: UP007  a union built from a tuple
+
+
+def warm() -> list[str]:
+    """Import every installed library the sources build with (a service worker does, before its first request:
+    peft alone takes seconds to import, which a cold estimate would pay, and each forked simulation again);
+    the names imported. A library not installed is skipped: its source refuses its requests as before."""
+    done = []
+    for source in sources().values():
+        for name in source.libraries:
+            try:
+                import_module(name)
+            except ImportError:
+                continue
+            done.append(name)
+    return done

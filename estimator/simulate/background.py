@@ -9,8 +9,10 @@ the fake-tensor cache are already loaded) and comes back pickled.
 >>> trace = job.result(timeout=5.0) or record_training(...)
 
 Anything unusual and the caller computes the value itself: ``result`` is
-``None`` when fork is unavailable, the child failed or took longer than the
-timeout (then it is killed). The child dies with its parent (Linux
+``None`` when fork is unavailable, the child failed or is stuck: it used no
+CPU for the timeout (then it is killed). A child still working is waited
+for, however long it takes: it is further along than the caller would be
+computing the value from the start. The child dies with its parent (Linux
 ``PR_SET_PDEATHSIG``), so a service worker killed at its time limit leaves
 nothing running.
 """
@@ -22,11 +24,20 @@ import os
 import pickle
 import select
 import signal
+import time
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 _PR_SET_PDEATHSIG = 1
+
+# a prefetched value whose child used no CPU this long is stuck: killed, and computed by the caller instead
+STUCK_S = 5.0
+
+# this process's children not yet collected or closed (weakly: one dropped unclosed is killed by __del__)
+_jobs: weakref.WeakSet[Background] = weakref.WeakSet()
+_in_child = False  # this process is itself a Background child
 
 
 def enabled() -> bool:
@@ -47,6 +58,9 @@ class Background:
             warnings.simplefilter("ignore", DeprecationWarning)  # Python 3.12+: fork with threads running
             pid = os.fork()
         if pid == 0:  # the child: never returns
+            global _in_child
+            _in_child = True
+            _jobs.clear()  # the parent's children are not this one's
             os.close(read)
             code = 1
             try:
@@ -61,13 +75,15 @@ class Background:
                 os._exit(code)
         os.close(write)
         self.pid, self.fd = pid, read
+        _jobs.add(self)
 
     def result(self, timeout: float) -> Any | None:
-        """The child's value, or None: failed, not done within ``timeout`` seconds (killed), or unpicklable."""
+        """The child's value, or None: failed, stuck (no CPU time used for ``timeout`` seconds; where its CPU
+        time cannot be read, not done within ``timeout`` seconds) and killed, or unpicklable."""
         if self.pid is None or self.fd is None:
             return None
         try:
-            if not select.select([self.fd], [], [], timeout)[0]:
+            if not self._wait(timeout):
                 return None
             with os.fdopen(self.fd, "rb") as src:
                 self.fd = None
@@ -82,8 +98,25 @@ class Background:
         finally:
             self.close()
 
+    def _wait(self, timeout: float) -> bool:
+        """Whether the child's value is ready before it sits ``timeout`` seconds without using CPU."""
+        assert self.fd is not None and self.pid is not None
+        used, idle_since = _cpu_ticks(self.pid), time.monotonic()
+        while not select.select([self.fd], [], [], min(timeout, 0.25))[0]:
+            now, ticks = time.monotonic(), _cpu_ticks(self.pid)
+            if ticks is not None and used is not None and ticks > used:
+                used, idle_since = ticks, now  # still working
+            elif now - idle_since >= timeout:
+                return False
+        return True
+
+    def working(self) -> bool:
+        """Whether the child is still computing (its value not written yet)."""
+        return self.fd is not None and not select.select([self.fd], [], [], 0)[0]
+
     def close(self) -> None:
         """Kill the child if it still runs, and reap it."""
+        _jobs.discard(self)
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
@@ -100,6 +133,22 @@ class Background:
             self.close()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
+
+
+def spare_core() -> bool:
+    """Whether work may be split with a child now: background runs are enabled, this process is not itself a
+    child, and none of its children is still computing (each takes a core)."""
+    return enabled() and not _in_child and not any(job.working() for job in list(_jobs))
+
+
+def _cpu_ticks(pid: int) -> int | None:
+    """The CPU time ``pid`` has used (user and system, in clock ticks); None where /proc cannot tell."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of proc(5), after pid and comm
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _die_with(parent: int) -> None:

@@ -41,6 +41,7 @@ from estimator.errors import SimulationError, SpecError
 from estimator.gpus import GPU
 from estimator.models import BuiltModel
 from estimator.plan.periodic import NotPeriodic, Rule, Token, holds, inserts
+from estimator.simulate import background
 from estimator.simulate.recipe import Recipe
 from estimator.simulate.record import record_built
 from estimator.trace import Allocation, Trace
@@ -212,10 +213,44 @@ def worth_it(built: BuiltModel, recipe: Recipe) -> bool:
             and not (recipe.distributed.active and recipe.distributed.strategy in _GROUPING))
 
 
+# (model name, parameters, container, blocks, strategy, checkpointing) -> (kind, base) of the rule its step
+# grew by: which shallow depths a step of the same model and recipe family simulates first (``Deepener._plan``)
+_FOUND: dict[tuple[Hashable, ...], tuple[str, int]] = {}
+
+
+# ``Deepener.found``: whether the blocks repeat (None: not tried), the rule, and ``_FOUND``
+Found = tuple[bool | None, Rule | None, dict[tuple[Hashable, ...], tuple[str, int]]]
+
+
+def _family(built: BuiltModel, recipe: Recipe) -> tuple[Hashable, ...]:
+    depth = built.depth
+    assert depth is not None
+    return (built.name, built.parameter_count, depth.container, depth.layers, recipe.distributed.strategy,
+            recipe.gradient_checkpointing)
+
+
+def _checked_on(kind: str, base: int) -> range:
+    """The shallow depths a rule of ``kind`` at ``base`` is found and checked on (``holds``)."""
+    return range(base if kind == "repeated" else base - 1, base + 3)
+
+
+def _lanes(depths: Sequence[int]) -> tuple[list[int], list[int]]:
+    """``depths`` split in two, here and in a child, about evenly by cost (a fixed part and one per block:
+    depth ``n`` costs about ``n + 1``), the deepest to the child."""
+    here: list[int] = []
+    child: list[int] = []
+    for n in sorted(depths, reverse=True):
+        (child if sum(k + 1 for k in child) <= sum(k + 1 for k in here) else here).append(n)
+    return sorted(here), sorted(child)
+
+
 class Deepener:
     """``record_built`` for one model, through shallow simulations where its blocks repeat (``deepen``): depths
-    1 to 3 (and 4 the first time, when 1 is not yet like the others); in full once they turn out not to repeat.
-    The rule found at the first batch is the one later batches must follow."""
+    1 to 3 (and deeper the first time, when the rule needs them); in full once they turn out not to repeat.
+    The rule found at the first batch is the one later batches must follow. Where a core is spare
+    (``background.spare_core``), the deepest shallow simulations of a round run in a forked child beside the
+    others, and a first search starts at the depths the last rule of the same model and recipe family needed
+    (the rules are searched and checked on them as always: only the order of the simulations changes)."""
 
     def __init__(self, built: BuiltModel) -> None:
         self.built = built
@@ -223,14 +258,20 @@ class Deepener:
         self.rule: Rule | None = None
         self.shallow: dict[int, BuiltModel | None] = {}
 
-    def found(self) -> tuple[bool | None, Rule | None]:
-        """What the simulations so far found: whether the blocks repeat, and by which rule."""
-        return self.periodic, self.rule
+    def will_search(self, recipe: Recipe) -> bool:
+        """Whether the next simulation searches the blocks' rule (none known yet, the shortcut not refused)."""
+        return self.periodic is None and self.rule is None and worth_it(self.built, recipe)
 
-    def learn(self, found: tuple[bool | None, Rule | None]) -> None:
+    def found(self) -> Found:
+        """What the simulations so far found: whether the blocks repeat, by which rule, and the rules of the
+        model and recipe families this process has seen."""
+        return self.periodic, self.rule, dict(_FOUND)
+
+    def learn(self, found: Found) -> None:
         """Take what another simulator of the same model ``found`` (a forked child's), where this one has not
         tried yet: the rule saves the search, a refusal the shallow simulations that would be refused again."""
-        periodic, rule = found
+        periodic, rule, families = found
+        _FOUND.update(families)
         if self.periodic is None and periodic is not None:
             self.periodic, self.rule = periodic, rule
 
@@ -260,17 +301,46 @@ class Deepener:
             raise NotPeriodic("the worst-case policy was needed at a shallow depth")  # the full step decides
         return trace
 
+    def _plan(self, recipe: Recipe) -> range:
+        """The depths a first search simulates first: those the family's last rule was found and checked on,
+        else 1 to 3 (what the first rule tried needs)."""
+        depths = _checked_on(*_FOUND.get(_family(self.built, recipe), ("repeated", 1)))
+        depth = self.built.depth
+        assert depth is not None
+        return depths if sum(depths) < depth.layers else range(1, 4)  # never more blocks than the full model
+
+    def _shallows(self, depths: Sequence[int], batch: int, recipe: Recipe, gpu: GPU | None,
+                  notes: Sequence[str]) -> dict[int, Trace]:
+        """The shallow traces at ``depths``: the deepest in a forked child beside the others where a core is
+        spare; here when it is not, or the child fails."""
+        here, there = _lanes(depths) if len(depths) > 1 and background.spare_core() else (list(depths), [])
+        job = None
+        if there:
+            def run() -> dict[int, Trace]:
+                return {n: self._shallow(n, batch, recipe, gpu, notes) for n in there}
+
+            job = background.Background(run)
+        traces = {n: self._shallow(n, batch, recipe, gpu, notes) for n in here}
+        fetched = job.result(timeout=background.STUCK_S) if job is not None else None
+        if fetched is None:  # none run there, or the child failed: here (an error raised as it would have been)
+            fetched = {n: self._shallow(n, batch, recipe, gpu, notes) for n in there}
+        return dict(sorted({**traces, **fetched}.items()))
+
     def _deepened(self, batch: int, recipe: Recipe, gpu: GPU | None, notes: Sequence[str]) -> Trace:
         depth = self.built.depth
         assert depth is not None
         known = self.rule
-        traces = {n: self._shallow(n, batch, recipe, gpu, notes) for n in (known.again if known else range(1, 4))}
+        traces = self._shallows(known.again if known else self._plan(recipe), batch, recipe, gpu, notes)
         if known is not None:
             try:
                 trace, _ = deepen(traces, depth.container, depth.layers, known)
                 return self._noted(trace, known.kind, sorted(traces))
-            except NotPeriodic as exc:  # an alignment that came out otherwise at this batch: search again
+            except NotPeriodic as exc:  # an alignment that came out otherwise at this batch: search again,
                 log.info("%s at batch %d: %s; the rule searched again", self.built.name, batch, exc)
+                # from the depths the rule was found and checked on at its first batch, simulated side by side
+                more = [n for n in _checked_on(known.kind, known.base) if n not in traces]
+                if sum(traces) + sum(more) < depth.layers:  # else the search below gives up as it would
+                    traces = {**traces, **self._shallows(more, batch, recipe, gpu, notes)}
         while True:
             try:
                 trace, rule = deepen(traces, depth.container, depth.layers)
@@ -281,6 +351,7 @@ class Deepener:
                     raise
                 traces[n] = self._shallow(n, batch, recipe, gpu, notes)
         self.rule = self.rule or rule
+        _FOUND[_family(self.built, recipe)] = rule.kind, rule.base
         return self._noted(trace, rule.kind, list(rule.depths))
 
     def _noted(self, trace: Trace, kind: str, depths: Sequence[int]) -> Trace:

@@ -47,7 +47,7 @@ class Simulator:
                                 built.max_seq_len)
         self.seeds: dict[tuple, Seed] = {}  # a simulator is seeded by nothing: it simulates
         self.runs = 0  # full simulations run
-        self._pending: dict[tuple[int, GPU], tuple[background.Background, float]] = {}  # prefetched, running
+        self._pending: dict[tuple[int, GPU], background.Background] = {}  # prefetched, running
         self._guesses: set[tuple[int, GPU]] = set()  # speculative prefetches (``speculate``)
         self._probe: Trace | None = None  # the first trace: what the step asks of a card
         self._ranks: list[int] | None = None  # distributed: the ranks that may need the most (one once known)
@@ -137,7 +137,14 @@ class Simulator:
                 return trace, self.deepener.found()  # what the child learnt of the blocks, for the parent
 
             job = background.Background(run)
-            self._pending[batch, gpu] = (job, time.perf_counter())
+            self._pending[batch, gpu] = job
+
+    def prefetch_second(self, batch: int, gpu: GPU) -> None:
+        """``prefetch`` the second batch every search needs beside the first, unless the first simulation
+        searches the blocks' rule (estimator/simulate/depth.py): two searches side by side would simulate the
+        same shallow depths twice, where the first alone splits its depths over the cores."""
+        if not self.deepener.will_search(self.recipe):
+            self.prefetch(batch, gpu)
 
     def speculate(self, batch: int, gpu: GPU, keep: int | None = None) -> None:
         """``prefetch`` a simulation a search may ask for next (it may not): the guesses running before this one
@@ -146,18 +153,17 @@ class Simulator:
         for old in [g for g in self._guesses if g[0] != keep and g != (batch, gpu)]:
             self._guesses.discard(old)
             if old in self._pending:
-                job, _ = self._pending.pop(old)
-                job.close()
+                self._pending.pop(old).close()
         self._guesses.add((batch, gpu))
         self.prefetch(batch, gpu)
 
     def _collect(self, batch: int, gpu: GPU) -> Trace | None:
         sig = self.signature(gpu)
-        for (b, card), (job, started) in list(self._pending.items()):
+        for (b, card), job in list(self._pending.items()):
             if b == batch and self.signature(card) == sig:
                 del self._pending[b, card]
-                # as long again as it has run, at least 5 s: the child does what the parent did meanwhile
-                result = job.result(timeout=max(5.0, 2 * (time.perf_counter() - started)))
+                # as long as the child works: it is further along than a simulation started here now
+                result = job.result(timeout=background.STUCK_S)
                 if result is None:
                     return None
                 trace, found = result
