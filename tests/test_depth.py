@@ -301,3 +301,32 @@ def test_a_search_split_over_a_child_and_its_family_hint_give_the_full_step(monk
     second = Deepener(built)
     _same(record_built(built, 1, recipe, A100), second.record(1, recipe, A100))
     assert asked == list(depth._checked_on(*depth._FOUND[family])) and 1 not in asked
+
+
+@pytest.mark.parametrize("name", ["llama lora", "bert sequence classification"])
+def test_the_depth_after_the_next_runs_beside_it_and_is_dropped_when_not_needed(
+        name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A search one depth short simulates the depth after the next in a child beside it: LoRA's drifting rule
+    (depths 1 to 5) takes both; BERT's rule at 2 holds with depth 4, and the child simulating 5 is killed."""
+    from estimator.simulate import background
+
+    monkeypatch.setattr(depth, "_FOUND", {})
+    monkeypatch.setattr(background, "enabled", lambda: True)
+    forked: list[background.Background] = []
+
+    class Counted(background.Background):
+        def __init__(self, fn) -> None:
+            super().__init__(fn)
+            forked.append(self)
+
+    monkeypatch.setattr(background, "Background", Counted)
+    model, training = CASES[name]
+    if name.startswith("bert"):  # 16 blocks: depths 1 to 5 cost fewer than the full model's
+        model = {**model, "config": {**model["config"], "num_hidden_layers": 16}}
+    built, recipe = _built(model, training)
+    deepener = Deepener(built)
+    _same(record_built(built, 1, recipe, A100), deepener.record(1, recipe, A100))
+    rule = deepener.rule
+    assert rule is not None and max(depth._checked_on(rule.kind, rule.base)) == (5 if name == "llama lora" else 4)
+    assert len(forked) == 2  # the first round's deepest depth, then the one ahead of depth 4
+    assert all(job.pid is None for job in forked)  # collected, or killed and reaped

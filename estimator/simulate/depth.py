@@ -303,8 +303,10 @@ class Deepener:
 
     def _plan(self, recipe: Recipe) -> range:
         """The depths a first search simulates first: those the family's last rule was found and checked on,
-        else 1 to 3 (what the first rule tried needs)."""
-        depths = _checked_on(*_FOUND.get(_family(self.built, recipe), ("repeated", 1)))
+        else those of the rule such steps grow by: depths 1 to 3, 2 to 4 under FSDP."""
+        # FSDP keeps the last block's gathered parameters: depth 1 is unlike the others (the rule at 2)
+        prior = ("repeated", 2) if recipe.distributed.strategy == "fsdp" else ("repeated", 1)
+        depths = _checked_on(*_FOUND.get(_family(self.built, recipe), prior))
         depth = self.built.depth
         assert depth is not None
         return depths if sum(depths) < depth.layers else range(1, 4)  # never more blocks than the full model
@@ -326,6 +328,18 @@ class Deepener:
             fetched = {n: self._shallow(n, batch, recipe, gpu, notes) for n in there}
         return dict(sorted({**traces, **fetched}.items()))
 
+    def _ahead(self, n: int, traces: dict[int, Trace], batch: int, recipe: Recipe, gpu: GPU | None,
+               notes: Sequence[str]) -> tuple[int, background.Background] | None:
+        """Where a core is spare, the depth after ``n`` started in a child while ``n`` is simulated here: a
+        search one depth short of a rule needs it next (LoRA's drifting rule, depths 1 to 5), and one that
+        finds its rule at ``n`` kills it."""
+        depth = self.built.depth
+        assert depth is not None
+        m = next(k for k in itertools.count(n + 1) if k not in traces)
+        if not background.spare_core() or sum(traces) + n + m >= depth.layers:
+            return None
+        return m, background.Background(lambda: self._shallow(m, batch, recipe, gpu, notes))
+
     def _deepened(self, batch: int, recipe: Recipe, gpu: GPU | None, notes: Sequence[str]) -> Trace:
         depth = self.built.depth
         assert depth is not None
@@ -341,15 +355,28 @@ class Deepener:
                 more = [n for n in _checked_on(known.kind, known.base) if n not in traces]
                 if sum(traces) + sum(more) < depth.layers:  # else the search below gives up as it would
                     traces = {**traces, **self._shallows(more, batch, recipe, gpu, notes)}
-        while True:
-            try:
-                trace, rule = deepen(traces, depth.container, depth.layers)
-                break
-            except Deeper:
-                n = next(k for k in itertools.count(1) if k not in traces)
-                if sum(traces) + n >= depth.layers:  # no cheaper than the full simulation any more
-                    raise
-                traces[n] = self._shallow(n, batch, recipe, gpu, notes)
+        ahead: tuple[int, background.Background] | None = None  # the depth after the next, in a child
+        try:
+            while True:
+                try:
+                    trace, rule = deepen(traces, depth.container, depth.layers)
+                    break
+                except Deeper:
+                    n = next(k for k in itertools.count(1) if k not in traces)
+                    if sum(traces) + n >= depth.layers:  # no cheaper than the full simulation any more
+                        raise
+                    if ahead is not None and ahead[0] == n:
+                        fetched = ahead[1].result(timeout=background.STUCK_S)
+                        ahead = None
+                        if fetched is not None:
+                            traces[n] = fetched
+                            continue
+                    elif ahead is None:
+                        ahead = self._ahead(n, traces, batch, recipe, gpu, notes)
+                    traces[n] = self._shallow(n, batch, recipe, gpu, notes)
+        finally:
+            if ahead is not None:  # a rule held without it
+                ahead[1].close()
         self.rule = self.rule or rule
         _FOUND[_family(self.built, recipe)] = rule.kind, rule.base
         return self._noted(trace, rule.kind, list(rule.depths))
