@@ -108,10 +108,10 @@ def serve(conn: Connection) -> None:
         to_json,
         validate_on_gpu,
         validation_json,
+        warm_libraries,
     )
-    from estimator.models.registry import warm
 
-    warm()  # the model libraries, imported once here rather than in each cold estimate
+    warm_libraries()  # the model libraries, imported once here rather than in each cold estimate
     conn.send(("ready", os.getpid()))
     while True:
         try:

@@ -43,8 +43,8 @@ import json, sys, time
 t0 = time.perf_counter()
 from estimator.pipeline import estimate
 from estimator.request.parse import parse_request
-from estimator.models.registry import warm
-warm()  # what a worker has imported before its first request (app/worker.py)
+from estimator import warm_libraries
+warm_libraries()  # what a worker has imported before its first request (app/worker.py)
 t1 = time.perf_counter()
 response = estimate(parse_request(json.loads(sys.argv[1])))
 t2 = time.perf_counter()

@@ -64,6 +64,7 @@ _PUBLIC = {
     "CATALOG_VERSION": "estimator.gpus",
     "catalog": "estimator.gpus",
     "model_sources": "estimator.models",
+    "warm_libraries": "estimator.models.registry:warm",
     "validate_on_gpu": "estimator.measure.cuda:validate",
     "validation_json": "estimator.measure.cuda:as_json",
 }

@@ -308,6 +308,7 @@ job = json.loads(sys.stdin.read())
 sys.path[:] = [p for p in sys.path if os.path.isabs(p)]  # relative entries make imports probe the cwd
 import torch, torchvision, timm, transformers, huggingface_hub  # noqa: F401 - their import-time reads
 import estimator, estimator.models, estimator.pipeline, app
+estimator.warm_libraries()  # what a worker imports before its first request: import-time reads, not a request's
 from app.worker import Reply, serve
 
 trees = {sys.prefix, sys.base_prefix, sys.exec_prefix, *site.getsitepackages(), site.getusersitepackages(),

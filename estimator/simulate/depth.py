@@ -213,9 +213,11 @@ def worth_it(built: BuiltModel, recipe: Recipe) -> bool:
             and not (recipe.distributed.active and recipe.distributed.strategy in _GROUPING))
 
 
-# (model name, parameters, container, blocks, strategy, checkpointing) -> (kind, base) of the rule its step
+# (model name, parameters, build notes (LoRA's, a quantization's), container, blocks, strategy, checkpointing,
+# optimizer) -> (kind, base) of the rule its step
 # grew by: which shallow depths a step of the same model and recipe family simulates first (``Deepener._plan``)
 _FOUND: dict[tuple[Hashable, ...], tuple[str, int]] = {}
+MAX_FAMILIES = 1024
 
 
 # ``Deepener.found``: whether the blocks repeat (None: not tried), the rule, and ``_FOUND``
@@ -225,8 +227,8 @@ Found = tuple[bool | None, Rule | None, dict[tuple[Hashable, ...], tuple[str, in
 def _family(built: BuiltModel, recipe: Recipe) -> tuple[Hashable, ...]:
     depth = built.depth
     assert depth is not None
-    return (built.name, built.parameter_count, depth.container, depth.layers, recipe.distributed.strategy,
-            recipe.gradient_checkpointing)
+    return (built.name, built.parameter_count, tuple(built.assumptions), depth.container, depth.layers,
+            recipe.distributed.strategy, recipe.gradient_checkpointing, recipe.optimizer)
 
 
 def _checked_on(kind: str, base: int) -> range:
@@ -378,6 +380,8 @@ class Deepener:
             if ahead is not None:  # a rule held without it
                 ahead[1].close()
         self.rule = self.rule or rule
+        if len(_FOUND) >= MAX_FAMILIES:  # a long-lived worker's: the oldest forgotten
+            del _FOUND[next(iter(_FOUND))]
         _FOUND[_family(self.built, recipe)] = rule.kind, rule.base
         return self._noted(trace, rule.kind, list(rule.depths))
 
