@@ -330,3 +330,18 @@ def test_the_depth_after_the_next_runs_beside_it_and_is_dropped_when_not_needed(
     assert rule is not None and max(depth._checked_on(rule.kind, rule.base)) == (5 if name == "llama lora" else 4)
     assert len(forked) == 2  # the first round's deepest depth, then the one ahead of depth 4
     assert all(job.pid is None for job in forked)  # collected, or killed and reaped
+
+
+def test_a_hint_that_skips_the_depth_a_rule_needs_still_finds_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A family's hint only orders the simulations: QLoRA with paged AdamW grows by a drifting rule at 2 (depths
+    1 to 4); told to start at 2 to 4, the search simulates depth 1 too and finds the same step."""
+    from estimator.simulate import background
+
+    model, training = CASES["llama qlora paged"]
+    built, recipe = _built(model, training)
+    monkeypatch.setattr(depth, "_FOUND", {depth._family(built, recipe): ("repeated", 2)})
+    monkeypatch.setattr(background, "spare_core", lambda: False)
+    deepener = Deepener(built)
+    _same(record_built(built, 1, recipe, A100), deepener.record(1, recipe, A100))
+    assert deepener.rule is not None and (deepener.rule.kind, deepener.rule.base) == ("drifting", 2)
+    assert depth._FOUND[depth._family(built, recipe)] == ("drifting", 2)

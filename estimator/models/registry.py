@@ -81,8 +81,9 @@ def model_spec_type() -> Any:
 
 def warm() -> list[str]:
     """Import every installed library the sources build with (a service worker does, before its first request:
-    peft alone takes seconds to import, which a cold estimate would pay, and each forked simulation again);
-    the names imported. A library not installed is skipped: its source refuses its requests as before."""
+    peft alone takes ~2.5 s to import, which a cold estimate with LoRA suggestions paid, twice when a forked
+    child built the first LoRA step); the names imported. A library not installed is skipped: its source
+    refuses its requests as before."""
     done = []
     for source in sources().values():
         for name in source.libraries:

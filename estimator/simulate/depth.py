@@ -198,8 +198,8 @@ def _rule(tokens: dict[int, list[Token]], known: Rule | None) -> Rule:
         held = holds(kind, base, tokens)
         if held is not None:
             return held
-    if max(tokens) < DEEPEST:
-        raise Deeper(f"no rule holds at depths 1 to {max(tokens)}")
+    if any(n not in tokens for n in range(1, DEEPEST + 1)):  # a first search may start past depth 1
+        raise Deeper(f"no rule holds at depths {', '.join(map(str, sorted(tokens)))}")
     raise NotPeriodic(f"the blocks do not repeat alike at depths 1 to {DEEPEST}")
 
 
@@ -214,8 +214,8 @@ def worth_it(built: BuiltModel, recipe: Recipe) -> bool:
 
 
 # (model name, parameters, build notes (LoRA's, a quantization's), container, blocks, strategy, checkpointing,
-# optimizer) -> (kind, base) of the rule its step
-# grew by: which shallow depths a step of the same model and recipe family simulates first (``Deepener._plan``)
+# optimizer) -> (kind, base) of the rule its step grew by: which shallow depths a step of the same model and
+# recipe family simulates first (``Deepener._plan``)
 _FOUND: dict[tuple[Hashable, ...], tuple[str, int]] = {}
 MAX_FAMILIES = 1024
 
