@@ -345,3 +345,13 @@ def test_a_hint_that_skips_the_depth_a_rule_needs_still_finds_it(monkeypatch: py
     _same(record_built(built, 1, recipe, A100), deepener.record(1, recipe, A100))
     assert deepener.rule is not None and (deepener.rule.kind, deepener.rule.base) == ("drifting", 2)
     assert depth._FOUND[depth._family(built, recipe)] == ("drifting", 2)
+
+
+def test_the_family_table_keeps_its_bound_whoever_adds_to_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A child's families, learnt by the parent, count against ``MAX_FAMILIES`` as the parent's own do."""
+    monkeypatch.setattr(depth, "_FOUND", {("old", n): ("repeated", 1) for n in range(depth.MAX_FAMILIES)})
+    deepener = Deepener(_built(CAUSAL, {})[0])
+    deepener.learn((None, None, {("new", 1): ("repeated", 2), ("new", 2): ("drifting", 3)}))
+    assert len(depth._FOUND) == depth.MAX_FAMILIES
+    assert ("old", 0) not in depth._FOUND and ("old", 1) not in depth._FOUND
+    assert depth._FOUND[("new", 2)] == ("drifting", 3)

@@ -231,6 +231,14 @@ def _family(built: BuiltModel, recipe: Recipe) -> tuple[Hashable, ...]:
             recipe.distributed.strategy, recipe.gradient_checkpointing, recipe.optimizer)
 
 
+def _remember(families: dict[tuple[Hashable, ...], tuple[str, int]]) -> None:
+    """Note the rules ``families`` grew by in ``_FOUND``, the oldest forgotten past ``MAX_FAMILIES`` (a
+    long-lived worker's)."""
+    _FOUND.update(families)
+    while len(_FOUND) > MAX_FAMILIES:
+        del _FOUND[next(iter(_FOUND))]
+
+
 def _checked_on(kind: str, base: int) -> range:
     """The shallow depths a rule of ``kind`` at ``base`` is found and checked on (``holds``)."""
     return range(base if kind == "repeated" else base - 1, base + 3)
@@ -273,7 +281,7 @@ class Deepener:
         """Take what another simulator of the same model ``found`` (a forked child's), where this one has not
         tried yet: the rule saves the search, a refusal the shallow simulations that would be refused again."""
         periodic, rule, families = found
-        _FOUND.update(families)
+        _remember(families)
         if self.periodic is None and periodic is not None:
             self.periodic, self.rule = periodic, rule
 
@@ -380,9 +388,7 @@ class Deepener:
             if ahead is not None:  # a rule held without it
                 ahead[1].close()
         self.rule = self.rule or rule
-        if len(_FOUND) >= MAX_FAMILIES:  # a long-lived worker's: the oldest forgotten
-            del _FOUND[next(iter(_FOUND))]
-        _FOUND[_family(self.built, recipe)] = rule.kind, rule.base
+        _remember({_family(self.built, recipe): (rule.kind, rule.base)})
         return self._noted(trace, rule.kind, list(rule.depths))
 
     def _noted(self, trace: Trace, kind: str, depths: Sequence[int]) -> Trace:
