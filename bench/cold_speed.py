@@ -44,7 +44,9 @@ t0 = time.perf_counter()
 from estimator.pipeline import estimate
 from estimator.request.parse import parse_request
 from estimator import warm_libraries
-warm_libraries()  # what a worker has imported before its first request (app/worker.py)
+warm_libraries()  # what a worker has imported before its first request (app/worker.py), frozen as it does
+import gc
+gc.freeze()
 t1 = time.perf_counter()
 response = estimate(parse_request(json.loads(sys.argv[1])))
 t2 = time.perf_counter()

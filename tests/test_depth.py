@@ -259,10 +259,18 @@ def test_tokens_round_trip_and_name_each_block() -> None:
 
 
 def test_the_shallow_depths_are_split_between_two_cores_evenly() -> None:
-    assert depth._lanes([1, 2, 3]) == ([1, 2], [3])  # costs 2 + 3 here, 4 in the child
-    assert depth._lanes([2, 3]) == ([2], [3])
-    assert depth._lanes([2, 3, 4, 5]) == ([3, 4], [2, 5])
-    assert depth._lanes([4]) == ([], [4])
+    def lanes(*depths: int) -> tuple[list[int], list[int]]:
+        here, child = depth._lanes([(1, n) for n in depths])
+        return [n for _, n in here], [n for _, n in child]
+
+    assert lanes(1, 2, 3) == ([1, 2], [3])  # costs 2 + 3 here, 4 in the child
+    assert lanes(2, 3) == ([2], [3])
+    assert lanes(2, 3, 4, 5) == ([3, 4], [2, 5])
+    assert lanes(4) == ([], [4])
+    # FSDP's first search (depths 2 to 4 at batch 1) with batch 2's depths 2 and 3: 10 here, 9 in the child, which
+    # holds the deepest and as few of batch 1's as an even split allows; each lane batch 1's first
+    assert depth._lanes([(1, 2), (1, 3), (1, 4), (2, 2), (2, 3)]) == (
+        [(1, 2), (1, 3), (2, 2)], [(1, 4), (2, 3)])
 
 
 def test_a_search_split_over_a_child_and_its_family_hint_give_the_full_step(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -355,3 +363,60 @@ def test_the_family_table_keeps_its_bound_whoever_adds_to_it(monkeypatch: pytest
     assert len(depth._FOUND) == depth.MAX_FAMILIES
     assert ("old", 0) not in depth._FOUND and ("old", 1) not in depth._FOUND
     assert depth._FOUND[("new", 2)] == ("drifting", 3)
+
+
+def test_the_second_batch_is_simulated_in_the_first_search_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Told that batch 2 comes next (``Simulator.prefetch_second``), a first search with a spare core simulates
+    batch 2's depths (those of the rule it is likely to find) in the same split; batch 2 then simulates nothing
+    more, and both steps are the full simulations, event for event."""
+    from estimator.simulate import background
+    from estimator.simulate.source import Simulator
+
+    monkeypatch.setattr(depth, "_FOUND", {})
+    monkeypatch.setattr(background, "enabled", lambda: True)
+    model, training = CASES["llama fsdp"]  # no family known: the prior, a repeated rule at 2 (again: 2 and 3)
+    built, recipe = _built(model, training)
+    simulator = Simulator(built, recipe)
+    simulator.prefetch_second(2, A100)
+    assert not simulator._pending  # no second search beside the first
+    first, _ = simulator.simulate(1, A100)
+    rule = simulator.deepener.rule
+    assert rule is not None and (rule.kind, rule.base) == ("repeated", 2)
+    assert sorted(simulator.deepener._early) == [(2, 2), (2, 3)]
+
+    asked: list[tuple[int, int]] = []
+    shallow = Deepener._shallow
+
+    def counted(self, n, batch, *args, **kwargs):
+        asked.append((batch, n))
+        return shallow(self, n, batch, *args, **kwargs)
+
+    monkeypatch.setattr(Deepener, "_shallow", counted)
+    second, runs = simulator.simulate(2, A100)
+    assert runs == 1 and asked == [] and not simulator.deepener._early  # taken, not simulated again
+    _same(record_built(built, 1, simulator.recipe, A100), first)
+    _same(record_built(built, 2, simulator.recipe, A100), second)
+
+
+def test_early_depths_of_another_recipe_or_card_are_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shallow trace simulated early is used only for the batch, depth, recipe, card and notes it ran with."""
+    from estimator.simulate import background
+
+    monkeypatch.setattr(background, "spare_core", lambda: False)  # every shallow simulation here, counted
+    model, training = CASES["llama amp-bf16"]
+    built, recipe = _built(model, training)
+    deepener = Deepener(built)
+    trace = record_built(built, 2, recipe, A100)  # any trace: what matters is whether it is taken
+    other = dataclasses.replace(recipe, optimizer="sgd")
+    deepener._early[2, 1] = (other, A100, ()), trace
+    deepener._early[2, 2] = (recipe, get_gpu("H100-80GB"), ()), trace
+    deepener._early[2, 3] = (recipe, A100, ()), trace
+    asked: list[int] = []
+
+    def fake(n, batch, recipe, gpu, notes):
+        asked.append(n)
+        return trace
+
+    deepener._shallow = fake  # type: ignore[method-assign]
+    got = deepener._shallows([1, 2, 3], 2, recipe, A100, ())
+    assert asked == [1, 2] and all(t is trace for t in got.values()) and not deepener._early

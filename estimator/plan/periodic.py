@@ -29,7 +29,10 @@ def inserts(base: Sequence[T], more: Sequence[T], rightmost: bool = False) -> li
     """(position in ``base``, tokens inserted there) that make ``more`` from ``base``; NotPeriodic if ``more``
     is not ``base`` with insertions. ``rightmost``: each segment moved as far on as it goes with the same result
     (inserted after the run of copies it joins, rotated: a loop's new last pass, not one in its middle)."""
-    matcher = difflib.SequenceMatcher(None, base, more, autojunk=False)
+    # compared as small ints (one hash per token: a token's nested tuple, enums included, rehashes on each lookup)
+    ids: dict[T, int] = {}
+    matcher = difflib.SequenceMatcher(None, [ids.setdefault(t, len(ids)) for t in base],
+                                      [ids.setdefault(t, len(ids)) for t in more], autojunk=False)
     found = []
     for tag, i1, _, j1, j2 in matcher.get_opcodes():
         if tag == "insert":

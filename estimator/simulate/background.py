@@ -20,6 +20,7 @@ nothing running.
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import pickle
 import select
@@ -60,6 +61,9 @@ class Background:
         if pid == 0:  # the child: never returns
             global _in_child
             _in_child = True
+            # the collector leaves the parent's objects alone: a collection here neither scans them (gen 2 is
+            # the whole warm process) nor writes their headers (copying every page the fork shares)
+            gc.freeze()
             _jobs.clear()  # the parent's children are not this one's
             os.close(read)
             code = 1

@@ -220,6 +220,10 @@ _FOUND: dict[tuple[Hashable, ...], tuple[str, int]] = {}
 MAX_FAMILIES = 1024
 
 
+# what a shallow simulation ran with besides its batch and depth: (recipe, card, notes); compared, not hashed
+_With = tuple[Recipe, GPU | None, tuple[str, ...]]
+
+
 # ``Deepener.found``: whether the blocks repeat (None: not tried), the rule, and ``_FOUND``
 Found = tuple[bool | None, Rule | None, dict[tuple[Hashable, ...], tuple[str, int]]]
 
@@ -244,14 +248,27 @@ def _checked_on(kind: str, base: int) -> range:
     return range(base if kind == "repeated" else base - 1, base + 3)
 
 
-def _lanes(depths: Sequence[int]) -> tuple[list[int], list[int]]:
-    """``depths`` split in two, here and in a child, about evenly by cost (a fixed part and one per block:
-    depth ``n`` costs about ``n + 1``), the deepest to the child."""
-    here: list[int] = []
-    child: list[int] = []
-    for n in sorted(depths, reverse=True):
-        (child if sum(k + 1 for k in child) <= sum(k + 1 for k in here) else here).append(n)
-    return sorted(here), sorted(child)
+def _lanes(jobs: Sequence[tuple[int, int]]) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """Shallow simulations ``(batch, depth)`` split in two, here and in a child, as evenly as their costs allow (a
+    fixed part and one per block: depth ``n`` costs about ``n + 1`` at any small batch); among even splits, the
+    deepest to the child (it starts at once) and as few of the first batch's as may be (a child that fails leaves
+    them to this process). Each lane in order: the first batch's depths, then the others'."""
+    first = jobs[0][0] if jobs else 0
+    deepest = max(jobs, key=lambda j: (j[1], j[0] == first), default=None)
+
+    def cost(lane: Sequence[tuple[int, int]]) -> int:
+        return sum(n + 1 for _, n in lane)
+
+    best: tuple[tuple[int, ...], list[tuple[int, int]], list[tuple[int, int]]] | None = None
+    for mask in range(2 ** len(jobs)):  # a handful of jobs: every split
+        child = [j for k, j in enumerate(jobs) if mask >> k & 1]
+        here = [j for k, j in enumerate(jobs) if not mask >> k & 1]
+        key = (max(cost(here), cost(child)), deepest not in child, sum(b == first for b, _ in child), cost(child))
+        if best is None or key < best[0]:
+            best = key, here, child
+    assert best is not None
+    order = lambda j: (j[0] != first, j[0], j[1])  # noqa: E731 - the sort key of both lanes
+    return sorted(best[1], key=order), sorted(best[2], key=order)
 
 
 class Deepener:
@@ -260,13 +277,22 @@ class Deepener:
     The rule found at the first batch is the one later batches must follow. Where a core is spare
     (``background.spare_core``), the deepest shallow simulations of a round run in a forked child beside the
     others, and a first search starts at the depths the last rule of the same model and recipe family needed
-    (the rules are searched and checked on them as always: only the order of the simulations changes)."""
+    (the rules are searched and checked on them as always: only the order of the simulations changes). A batch
+    the planner will ask for next (``expect``) has its shallow depths simulated in the first search's split."""
 
     def __init__(self, built: BuiltModel) -> None:
         self.built = built
         self.periodic: bool | None = None  # None: not tried yet
         self.rule: Rule | None = None
         self.shallow: dict[int, BuiltModel | None] = {}
+        self._expected: tuple[int, _With] | None = None  # the batch ``expect`` named
+        self._early: dict[tuple[int, int], tuple[_With, Trace]] = {}  # (batch, depth): simulated before asked for
+
+    def expect(self, batch: int, recipe: Recipe, gpu: GPU | None, notes: Sequence[str] = ()) -> None:
+        """The planner asks for ``batch`` next (every search needs batch 2 beside the first): where the first
+        search splits its depths with a child, the depths ``batch`` will simulate by the rule the search is likely
+        to find (the family's, else the prior) run in the same split; ``record`` takes them from there."""
+        self._expected = batch, (recipe, gpu, tuple(notes))
 
     def will_search(self, recipe: Recipe) -> bool:
         """Whether the next simulation searches the blocks' rule (none known yet, the shortcut not refused)."""
@@ -311,32 +337,65 @@ class Deepener:
             raise NotPeriodic("the worst-case policy was needed at a shallow depth")  # the full step decides
         return trace
 
-    def _plan(self, recipe: Recipe) -> range:
+    def _plan(self, recipe: Recipe) -> tuple[range, range]:
         """The depths a first search simulates first: those the family's last rule was found and checked on,
-        else those of the rule such steps grow by: depths 1 to 3, 2 to 4 under FSDP."""
+        else those of the rule such steps grow by: depths 1 to 3, 2 to 4 under FSDP. And the depths that rule
+        simulates at another batch (``Rule.again``)."""
         # FSDP keeps the last block's gathered parameters: depth 1 is unlike the others (the rule at 2)
         prior = ("repeated", 2) if recipe.distributed.strategy == "fsdp" else ("repeated", 1)
-        depths = _checked_on(*_FOUND.get(_family(self.built, recipe), prior))
+        kind, base = _FOUND.get(_family(self.built, recipe), prior)
+        depths = _checked_on(kind, base)
         depth = self.built.depth
         assert depth is not None
-        return depths if sum(depths) < depth.layers else range(1, 4)  # never more blocks than the full model
+        if sum(depths) >= depth.layers:  # never more blocks than the full model
+            return range(1, 4), range(1, 3)
+        return depths, range(base, base + 2)
 
     def _shallows(self, depths: Sequence[int], batch: int, recipe: Recipe, gpu: GPU | None,
-                  notes: Sequence[str]) -> dict[int, Trace]:
-        """The shallow traces at ``depths``: the deepest in a forked child beside the others where a core is
-        spare; here when it is not, or the child fails."""
-        here, there = _lanes(depths) if len(depths) > 1 and background.spare_core() else (list(depths), [])
-        job = None
-        if there:
-            def run() -> dict[int, Trace]:
-                return {n: self._shallow(n, batch, recipe, gpu, notes) for n in there}
+                  notes: Sequence[str], also: Sequence[tuple[int, int]] = ()) -> dict[int, Trace]:
+        """The shallow traces at ``depths`` (those simulated early taken from there): split with a forked child
+        where a core is spare (``_lanes``), and with them the ``(batch, depth)`` simulations ``also`` names, kept
+        for when their batch is asked for; here when no core is spare (``also`` then waits), or the child fails (an
+        error raised as it would have been)."""
+        with_: _With = (recipe, gpu, tuple(notes))
+        traces = {}
+        for n in depths:
+            early = self._early.pop((batch, n), None)
+            if early is not None and early[0] == with_:
+                traces[n] = early[1]
+        jobs = [(batch, n) for n in depths if n not in traces]
+        spare = background.spare_core()
+        if spare:
+            jobs += [j for j in also if j not in self._early]
+        here, there = _lanes(jobs) if len(jobs) > 1 and spare else (jobs, [])
 
-            job = background.Background(run)
-        traces = {n: self._shallow(n, batch, recipe, gpu, notes) for n in here}
-        fetched = job.result(timeout=background.STUCK_S) if job is not None else None
-        if fetched is None:  # none run there, or the child failed: here (an error raised as it would have been)
-            fetched = {n: self._shallow(n, batch, recipe, gpu, notes) for n in there}
-        return dict(sorted({**traces, **fetched}.items()))
+        def run() -> dict[tuple[int, int], Trace]:
+            done = {}
+            for b, n in there:
+                try:
+                    done[b, n] = self._shallow(n, b, recipe, gpu, notes)
+                except Exception:  # noqa: BLE001 - its batch, asked for, simulates it again (and raises)
+                    if b == batch:
+                        break  # this batch's own: the parent needs it anyway
+            return done
+
+        child = background.Background(run) if there else None
+        try:
+            done = {j: self._shallow(j[1], j[0], recipe, gpu, notes) for j in here}
+            fetched = child.result(timeout=background.STUCK_S) if child is not None else None
+        finally:
+            if child is not None:
+                child.close()
+        done.update(fetched or {})
+        for (b, n), trace in done.items():
+            if b == batch:
+                traces[n] = trace
+            else:
+                self._early[b, n] = with_, trace
+        for n in depths:  # the child's that failed, or none ran there
+            if n not in traces:
+                traces[n] = self._shallow(n, batch, recipe, gpu, notes)
+        return dict(sorted(traces.items()))
 
     def _ahead(self, n: int, traces: dict[int, Trace], batch: int, recipe: Recipe, gpu: GPU | None,
                notes: Sequence[str]) -> tuple[int, background.Background] | None:
@@ -354,7 +413,14 @@ class Deepener:
         depth = self.built.depth
         assert depth is not None
         known = self.rule
-        traces = self._shallows(known.again if known else self._plan(recipe), batch, recipe, gpu, notes)
+        if known is not None:
+            traces = self._shallows(known.again, batch, recipe, gpu, notes)
+        else:
+            plan, again = self._plan(recipe)
+            expected, self._expected = self._expected, None
+            also = [(expected[0], n) for n in again] if expected is not None and expected[0] != batch \
+                and expected[1] == (recipe, gpu, tuple(notes)) else []
+            traces = self._shallows(plan, batch, recipe, gpu, notes, also)
         if known is not None:
             try:
                 trace, _ = deepen(traces, depth.container, depth.layers, known)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry as _FLOPS
@@ -64,6 +65,21 @@ _CONV_CATEGORY = {WORKSPACE: Category.CONV_WORKSPACE, COLUMNS: Category.TEMPORAR
                   Category.EMPTY_CACHE: Category.EMPTY_CACHE}
 _COUNTED_PHASES = frozenset({Phase.FORWARD, Phase.LOSS, Phase.BACKWARD})
 _CUDNN_RNN_OPS = frozenset({"_cudnn_rnn", "_cudnn_rnn_backward"})
+
+
+_FACTS: dict[Any, tuple[str, bool]] = {}
+
+
+def _op_facts(func: Any) -> tuple[str, bool]:
+    """An op's name and whether ``Recorder.on_op`` does more than track its outputs (and count its FLOPs) for
+    it: a bitsandbytes kernel, a cuDNN RNN call, cuBLAS or a convolution (workspaces); worked out once per op."""
+    facts = _FACTS.get(func)
+    if facts is None:
+        name = func._schema.name.split("::")[-1]
+        special = (getattr(func, "namespace", "") == "bitsandbytes" or name in _CUDNN_RNN_OPS
+                   or name == "_cudnn_init_dropout_state" or name in _CUBLAS_OPS or name.startswith("convolution"))
+        facts = _FACTS[func] = (name, special)
+    return facts
 
 
 class Recorder:
@@ -137,15 +153,21 @@ class Recorder:
         self.last_aid[key] = aid if aid is not None else -1
 
     def on_op(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None:
-        name = func._schema.name.split("::")[-1]
+        name, special = _op_facts(func)
         count = _FLOPS.get(func._overloadpacket)
         if count is not None and self.phase in _COUNTED_PHASES:
             # torch.utils.flop_counter's formulas (docs/DESIGN.md, fact 8), in this same fake pass
             key = (self.iteration, self.micro)
             self.micro_flops[key] = self.micro_flops.get(key, 0) + count(*args, **kwargs, out_val=out)
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type == self.device_type:
-                self.track(t, name)
+        if type(out) is FakeTensor:  # most ops: one plain fake tensor
+            if out.device.type == self.device_type:
+                self.track(out, name)
+        else:
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.device.type == self.device_type:
+                    self.track(t, name)
+        if not special:
+            return
         if getattr(func, "namespace", "") == "bitsandbytes":
             if self.phase in _COUNTED_PHASES:  # the flop counter has no formula for bitsandbytes' matmuls
                 key = (self.iteration, self.micro)

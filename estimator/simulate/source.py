@@ -142,9 +142,12 @@ class Simulator:
     def prefetch_second(self, batch: int, gpu: GPU) -> None:
         """``prefetch`` the second batch every search needs beside the first, unless the first simulation
         searches the blocks' rule (estimator/simulate/depth.py): two searches side by side would simulate the
-        same shallow depths twice, where the first alone splits its depths over the cores."""
+        same shallow depths twice, so the second batch's shallow depths join the first search's split instead
+        (``Deepener.expect``)."""
         if not self.deepener.will_search(self.recipe):
             self.prefetch(batch, gpu)
+        elif len(self._resolve_ranks()) == 1:  # the rank known (with two candidates, the first batch picks it)
+            self.deepener.expect(batch, self.recipe, gpu, [self.rank_note] if self.rank_note else [])
 
     def speculate(self, batch: int, gpu: GPU, keep: int | None = None) -> None:
         """``prefetch`` a simulation a search may ask for next (it may not): the guesses running before this one

@@ -43,6 +43,9 @@ from estimator.simulate.virtual_gpu.worst_case import WorstCase, validating_dist
 __all__ = ["NullObserver", "Observer", "Shortcuts", "VirtualGPU"]
 
 _IS_ALL_TRUE = torch.ops.aten._is_all_true.default  # torch._check_tensor_all's verdict (VirtualGPU._checks)
+# ``Tensor.device`` asked from C++ (a fake tensor dispatches it): half the ops a step dispatches, none allocating
+_PRIM_DEVICE = torch.ops.prim.device.default
+_META = torch.device("meta")
 
 
 class Observer(Protocol):
@@ -114,6 +117,8 @@ class _DispatchMode(TorchDispatchMode):
         self.vgpu = vgpu
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _PRIM_DEVICE and type(args[0]) is FakeTensor:  # FakeTensor's own answer, without the observers
+            return _META if args[0].fake_mode.in_kernel_invocation else args[0].fake_device
         kwargs = kwargs or {}
         if self.vgpu.distributed and any(issubclass(t, torch.Tensor) and t not in _PLAIN for t in types) and any(
                 is_traceable_wrapper_subclass(x) for x in tree_leaves((args, kwargs))):

@@ -213,6 +213,7 @@ class Routing:
         # capacity check on that count -> (that routing, the capacity)
         self.priorities: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.capacities: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._following = False  # a one-hot mask or a top-k gate made: every op may derive from it from now on
 
     def owns(self, t: Any) -> bool:
         return isinstance(t, torch.Tensor) and (t in self.masks or self.counts.get(t, (None, None))[1] is not None)
@@ -225,6 +226,8 @@ class Routing:
         return NotImplemented
 
     def after(self, func, args: tuple, kwargs: dict, out: Any) -> None:
+        if not self._following and func not in _STARTS:
+            return  # nothing followed yet, and this op starts nothing (most ops of a step without experts)
         first = args[0] if args else None
         if func in _ZEROS:
             self.zeros[out] = version(out)  # any later write, through a view too, moves the version on
@@ -235,6 +238,7 @@ class Routing:
             # one_hot(top_k_index, num_classes) on fake tensors: top_k_index.unsqueeze(-1) == arange(num_classes)
             idx, classes = args
             self.masks[out] = _Mask(idx.shape[0], idx.shape[1], classes.shape[0] - 1, self.policy)
+            self._following = True
         elif func is aten.cumsum.default and first in self.masks and first.dim() == 3 \
                 and args[1] in (-2, 1):
             mask = self.masks[first]  # read as (tokens, top_k, 1) == classes - 1 experts; it is (batch, seq)
@@ -249,6 +253,7 @@ class Routing:
         elif func in _SCATTERS and self._still_zeros(first) and _top_k_scatter(args):
             tokens, experts = first.shape
             self.gates[out] = _Mask(tokens, args[2].shape[1], experts, self.policy)
+            self._following = True
         elif self.masks and func in _FOLLOW and first in self.masks:
             mask = self.masks[first]
             for t in out if isinstance(out, (list, tuple)) else (out,):
@@ -288,6 +293,7 @@ class Routing:
 
 _ZEROS = {aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default}
 _SCATTERS = {aten.scatter.value, aten.scatter_.value}
+_STARTS = frozenset({*_ZEROS, *_SCATTERS, aten.eq.Tensor})  # what ``Routing.after`` follows from nothing
 _KEEP = {aten._to_copy.default, aten.clone.default, aten.detach.default, aten.alias.default, aten.view.default,
          aten._unsafe_view.default}
 
