@@ -1,9 +1,10 @@
 """The virtual GPU's shortcuts past torch's fake kernels record exactly what the general path records.
 
-Three shortcuts make a fresh simulation ~2x faster (bench/simulate_speed.py):
+Four shortcuts make a fresh simulation ~2x faster (bench/simulate_speed.py):
 the optimizers' elementwise ``_foreach_*`` ops, cuDNN batch norm's outputs,
-and cheaper FakeTensor dispatch-cache keys. Each is switched off here and the
-traces compared allocation by allocation.
+cheaper FakeTensor dispatch-cache keys, and a cache hit's outputs made without
+FakeTensor.__new__'s checks. Each is switched off here and the traces compared
+allocation by allocation.
 """
 
 from __future__ import annotations
@@ -63,9 +64,46 @@ def test_batch_norm_and_cache_key_shortcuts(model, precision) -> None:
     b = build_request(parse_request({"model": model, "input": inp}))
     recipe = Recipe(precision=precision)
     fast = [record_training(b.factory, b.batch_factory, b.loss_fn, n, recipe, A100) for n in (3, 5)]
-    slow = Shortcuts(batch_norm=False, cache_keys=False)
+    slow = Shortcuts(batch_norm=False, cache_keys=False, cache_hits=False)
     for n, trace in zip((3, 5), fast, strict=True):
         _same(trace, record_training(b.factory, b.batch_factory, b.loss_fn, n, recipe, A100, shortcuts=slow))
+
+
+LLAMA = {"source": "transformers", "task": "causal-lm",
+         "config": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+                    "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 256,
+                    "num_hidden_layers": 2}}
+
+
+@pytest.mark.parametrize("training", [{"precision": "amp-bf16"}, {"precision": "fp32", "gradient_checkpointing":
+                                                                  "selective"}])
+def test_cache_hit_shortcut(training) -> None:
+    """A cache hit's outputs (views of their input's storage included) made without FakeTensor.__new__: the same
+    step as torch's own path makes them, on a transformer (most of its ops hit the dispatch cache)."""
+    from estimator.pipeline import job_of
+
+    job = job_of(parse_request({"model": LLAMA, "input": {"seq_len": 32}, "training": training}))
+    b = build_request(parse_request({"model": LLAMA, "input": {"seq_len": 32}, "training": training}))
+    fast = record_training(b.factory, b.batch_factory, b.loss_fn, 2, job.recipe, A100)
+    _same(fast, record_training(b.factory, b.batch_factory, b.loss_fn, 2, job.recipe, A100,
+                                shortcuts=Shortcuts(cache_hits=False)))
+
+
+def test_a_cache_hit_output_has_the_state_torch_gives_a_fake_tensor() -> None:
+    """``FakeMode._fresh`` sets what ``FakeTensor.__new__`` sets (a torch that adds state fails here)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from estimator.simulate.virtual_gpu.fake_mode import FakeMode
+
+    mode = FakeMode()
+    for device in (torch.device("cpu"), torch.device("cuda", 0)):
+        with mode:
+            theirs = FakeTensor(mode, torch.empty(4, 8, device="meta"), device)
+            ours = mode._fresh(torch.empty(4, 8, device="meta", requires_grad=True), device)
+        assert theirs.__dict__.keys() == ours.__dict__.keys()
+        assert all(ours.__dict__[k] is v or ours.__dict__[k] == v for k, v in theirs.__dict__.items())
+        assert type(ours) is FakeTensor and ours.device == device and ours.requires_grad
+        assert torch._C._dispatch_keys(ours) == torch._C._dispatch_keys(theirs.requires_grad_())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

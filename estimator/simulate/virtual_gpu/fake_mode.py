@@ -4,10 +4,11 @@ FakeTensorMode never initializes a device here (``torch.cuda.is_available()``
 answers True inside the virtual GPU), bypasses its dispatch cache where a
 cache hit would allocate differently, runs cuDNN's RNN ops with kernels of
 their own (``cudnn_rnn.py``: torch has none that know their sizes), and
-takes three shortcuts past torch's
+takes four shortcuts past torch's
 Python fake kernels that make a fresh simulation about twice as fast: the
-optimizers' elementwise ``_foreach_*`` ops, cuDNN batch norm's outputs, and
-cheaper dispatch-cache keys. Each shortcut has a switch (``Shortcuts``);
+optimizers' elementwise ``_foreach_*`` ops, cuDNN batch norm's outputs,
+cheaper dispatch-cache keys, and a cache hit's outputs made without
+``FakeTensor.__new__``'s argument checks. Each shortcut has a switch (``Shortcuts``);
 tests/test_fast_paths.py turns each off and compares the traces allocation
 by allocation.
 """
@@ -20,7 +21,13 @@ from typing import Any
 
 import torch
 from torch._prims_common import is_non_overlapping_and_dense_or_false as is_non_overlapping_and_dense
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, _BypassDispatchCache
+from torch._subclasses.fake_tensor import (
+    FakeTensor,
+    FakeTensorConfig,
+    FakeTensorMode,
+    _BypassDispatchCache,
+    in_kernel_invocation_manager,
+)
 
 from estimator.simulate.virtual_gpu.cudnn_rnn import FAKE_KERNELS as _CUDNN_RNN_KERNELS
 
@@ -36,12 +43,29 @@ class Shortcuts:
     """Which shortcuts past torch's Python fake kernels ``FakeMode`` takes (all, unless a test compares).
 
     ``foreach``: the optimizers' elementwise ``_foreach_*`` ops; ``batch_norm``: cuDNN batch norm's
-    outputs; ``cache_keys``: cheaper dispatch-cache keys.
+    outputs; ``cache_keys``: cheaper dispatch-cache keys; ``cache_hits``: a cache hit's outputs made without
+    ``FakeTensor.__new__``'s argument checks.
     """
 
     foreach: bool = True
     batch_norm: bool = True
     cache_keys: bool = True
+    cache_hits: bool = True
+
+# what FakeTensor.__new__ sets on a new fake tensor of an op's output besides its device and mode (torch 2.14): no
+# constant, Python type, dispatch keys or real tensor, and each of its memos (nonzero's, item's, ...) empty
+_MEMOS = ("nonzero_memo", "item_memo", "unique_memo", "unique_consecutive_memo", "nested_int_memo")
+_FRESH_STATE: dict[str, Any] = {
+    "constant": None, "pytype": None, "dispatch_keys": None, "real_tensor": None,
+    **{f"_{memo}{suffix}": None for memo in _MEMOS for suffix in ("", "_vc", "_epoch")}}
+
+
+
+def _normal(device: torch.device) -> bool:
+    """Whether a fake tensor keeps ``device`` as it is (``FakeTensor._normalize_fake_device`` gives a GPU its
+    index) and may be on it (not the meta device)."""
+    return device.type != "meta" and (device.index is not None or device.type not in ("cuda", "xpu"))
+
 
 _CUDNN_BN_BACKWARD = torch.ops.aten.cudnn_batch_norm_backward.default
 _BATCH_NORM_OPS = frozenset({torch.ops.aten.cudnn_batch_norm.default, _CUDNN_BN_BACKWARD})
@@ -53,6 +77,8 @@ def _plain_fake(mode, t) -> bool:
             and t.device.type != "cpu" and not t._has_symbolic_sizes_strides)
 
 
+# a tensor's own layout (FakeTensor.layout's, past its mkldnn check)
+_LAYOUT = vars(torch._C.TensorBase)["layout"].__get__
 _PLAIN_KEY_TYPES = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
                               torch.memory_format})
 
@@ -83,6 +109,47 @@ class FakeMode(FakeTensorMode):
                 return out
             return self._dispatch_impl(func, types, args, kwargs)
         return super()._cached_dispatch_impl(func, types, args, kwargs)
+
+    def _get_output_tensor_from_cache_entry(self, state, entry, key, func, args):
+        """A cache hit's output, built as torch builds it (an empty meta tensor with the entry's metadata, on the
+        input's storage for a view) but made a FakeTensor without ``FakeTensor.__new__``'s general checks
+        (``_fresh``): most of the time a cache hit took. torch's own path for anything else: an in-place op or a
+        constant (nothing to build), symbolic sizes, a debug trace."""
+        metadata = entry.metadata
+        if (not self.shortcuts.cache_hits or metadata is None or entry.inplace_idx is not None
+                or self.shape_env is not None or FakeTensorConfig.debug or not _normal(metadata.device)
+                or not all(type(v) is int for v in (*metadata.shape, *metadata.stride, metadata.storage_offset))):
+            return super()._get_output_tensor_from_cache_entry(state, entry, key, func, args)
+        with torch._C._DisableTorchDispatch():  # as in_kernel_invocation_manager: no mode sees it
+            empty = torch.empty_strided(metadata.shape, metadata.stride, dtype=metadata.dtype,
+                                        layout=metadata.layout, device="meta", requires_grad=metadata.requires_grad)
+        if metadata.is_conj:
+            torch._C._set_conj(empty, True)
+        if metadata.is_neg:
+            torch._C._set_neg(empty, True)
+        if isinstance(func, torch._ops.OpOverload) and func.is_view:  # the input's storage, as torch's path does
+            view_arg = args[entry.view_idx]
+            if type(view_arg) is not FakeTensor:
+                return super()._get_output_tensor_from_cache_entry(state, entry, key, func, args)
+            storage = view_arg.untyped_storage()
+            with in_kernel_invocation_manager(self):
+                empty.set_(storage, metadata.storage_offset, metadata.shape, metadata.stride)
+        return self._fresh(empty, metadata.device)
+
+    def _fresh(self, elem: torch.Tensor, device: torch.device) -> FakeTensor:
+        """``FakeTensor(self, elem, device)`` for a meta ``elem`` and a device a fake tensor keeps as it is
+        (``_normal``): the same subclass instance with the same state (``FakeTensor.__new__`` in torch 2.14),
+        without its argument checks."""
+        t = torch.Tensor._make_subclass(FakeTensor, elem, elem.requires_grad, dispatch_device=True,
+                                        device_for_backend_keys=device)
+        if not self._allow_unsafe_data_ptr_access:
+            torch._C._set_throw_on_mutable_data_ptr(t)
+        else:
+            torch._C._set_warn_deprecated_on_mutable_data_ptr(t)
+        t.__dict__.update(_FRESH_STATE)
+        t.__dict__["_fake_device"] = device
+        t.__dict__["fake_mode"] = self
+        return t
 
     def _new(self, shape, stride, dtype, device) -> FakeTensor:
         return FakeTensor(self, torch.empty_strided(shape, stride, dtype=dtype, device="meta"), device)
@@ -160,8 +227,9 @@ class FakeMode(FakeTensorMode):
             if kind in _PLAIN_KEY_TYPES:
                 result.append(kind)
                 result.append(arg)
-            elif kind is FakeTensor and arg.fake_mode is self and arg.constant is None \
-                    and arg.layout == torch.strided and not arg._has_symbolic_sizes_strides and not arg.is_mkldnn:
+            elif kind is FakeTensor and arg.fake_mode is self and arg.constant is None and arg.dispatch_keys is None \
+                    and _LAYOUT(arg) is torch.strided and not arg._has_symbolic_sizes_strides:
+                # (no dispatch keys of its own: not mkldnn, so its layout is the tensor's own, read directly)
                 result.append((arg.dtype, tuple(arg.shape), arg.stride(), arg.device, arg.storage_offset(),
                                arg.untyped_storage().nbytes(), arg.requires_grad, arg.is_conj(), arg.is_neg(),
                                arg.is_inference(), arg.is_quantized))
