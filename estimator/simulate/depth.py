@@ -344,12 +344,11 @@ class Deepener:
         # FSDP keeps the last block's gathered parameters: depth 1 is unlike the others (the rule at 2)
         prior = ("repeated", 2) if recipe.distributed.strategy == "fsdp" else ("repeated", 1)
         kind, base = _FOUND.get(_family(self.built, recipe), prior)
-        depths = _checked_on(kind, base)
         depth = self.built.depth
         assert depth is not None
-        if sum(depths) >= depth.layers:  # never more blocks than the full model
-            return range(1, 4), range(1, 3)
-        return depths, range(base, base + 2)
+        if sum(_checked_on(kind, base)) >= depth.layers:  # never more blocks than the full model
+            kind, base = "repeated", 1
+        return _checked_on(kind, base), range(base, base + 2)  # (the second: ``Rule.again`` of that rule)
 
     def _shallows(self, depths: Sequence[int], batch: int, recipe: Recipe, gpu: GPU | None,
                   notes: Sequence[str], also: Sequence[tuple[int, int]] = ()) -> dict[int, Trace]:
@@ -413,15 +412,14 @@ class Deepener:
         depth = self.built.depth
         assert depth is not None
         known = self.rule
-        if known is not None:
-            traces = self._shallows(known.again, batch, recipe, gpu, notes)
-        else:
+        if known is None:
             plan, again = self._plan(recipe)
             expected, self._expected = self._expected, None
             also = [(expected[0], n) for n in again] if expected is not None and expected[0] != batch \
                 and expected[1] == (recipe, gpu, tuple(notes)) else []
             traces = self._shallows(plan, batch, recipe, gpu, notes, also)
-        if known is not None:
+        else:
+            traces = self._shallows(known.again, batch, recipe, gpu, notes)
             try:
                 trace, _ = deepen(traces, depth.container, depth.layers, known)
                 return self._noted(trace, known.kind, sorted(traces))

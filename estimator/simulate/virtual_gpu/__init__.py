@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import torch
 import torch.optim.optimizer as _optim
 import torch.utils.checkpoint
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import FakeTensor, _device_handler
 from torch.utils._mode_utils import no_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
@@ -45,7 +45,6 @@ __all__ = ["NullObserver", "Observer", "Shortcuts", "VirtualGPU"]
 _IS_ALL_TRUE = torch.ops.aten._is_all_true.default  # torch._check_tensor_all's verdict (VirtualGPU._checks)
 # ``Tensor.device`` asked from C++ (a fake tensor dispatches it): half the ops a step dispatches, none allocating
 _PRIM_DEVICE = torch.ops.prim.device.default
-_META = torch.device("meta")
 
 
 class Observer(Protocol):
@@ -118,7 +117,7 @@ class _DispatchMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _PRIM_DEVICE and type(args[0]) is FakeTensor:  # FakeTensor's own answer, without the observers
-            return _META if args[0].fake_mode.in_kernel_invocation else args[0].fake_device
+            return _device_handler(args)
         kwargs = kwargs or {}
         if self.vgpu.distributed and any(issubclass(t, torch.Tensor) and t not in _PLAIN for t in types) and any(
                 is_traceable_wrapper_subclass(x) for x in tree_leaves((args, kwargs))):

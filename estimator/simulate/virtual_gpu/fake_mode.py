@@ -52,13 +52,13 @@ class Shortcuts:
     cache_keys: bool = True
     cache_hits: bool = True
 
+
 # what FakeTensor.__new__ sets on a new fake tensor of an op's output besides its device and mode (torch 2.14): no
 # constant, Python type, dispatch keys or real tensor, and each of its memos (nonzero's, item's, ...) empty
 _MEMOS = ("nonzero_memo", "item_memo", "unique_memo", "unique_consecutive_memo", "nested_int_memo")
 _FRESH_STATE: dict[str, Any] = {
     "constant": None, "pytype": None, "dispatch_keys": None, "real_tensor": None,
     **{f"_{memo}{suffix}": None for memo in _MEMOS for suffix in ("", "_vc", "_epoch")}}
-
 
 
 def _normal(device: torch.device) -> bool:
