@@ -178,6 +178,38 @@ def test_fsdp_takes_the_levers_it_needs_when_ranks_alone_are_not_enough() -> Non
     assert plain == [2]
 
 
+class CopiesPastOne(FakeJob):
+    """The fake job whose step copies 2 MiB a sample from batch 2 on (at batch 1 the op folds into a view): the
+    fit through batches 1 and 2 is rejected, the planner's search would fit through 2 and 3."""
+
+    def simulate(self, batch: int, gpu: GPU) -> tuple[Trace, int]:
+        self.simulated.append(batch)
+        trace, runs = super().simulate(batch, gpu)
+        if batch == 1:
+            return trace, runs
+        copy = Allocation(2 * MIB * batch, Phase.FORWARD, "fc", "clone", 1, Category.ACTIVATION)
+        return Trace([*trace.allocations, copy], [(True, 0), (True, 1), (True, 2), (False, 2), (False, 1)],
+                     flops=trace.flops), runs
+
+
+def test_a_suggestion_whose_next_batch_does_not_fit_simulates_no_further() -> None:
+    # usable 80 MiB, 72 within the headroom: batch 1 needs 96; pure bf16 32 + 32 = 64 lands, and its full step
+    # at batch 2 (32 + 64 + 4 = 100) does not fit: max 1 without a fit through batches 2 and 3; FSDP over 2
+    # ranks is the same step
+    card = custom_gpu("card-80", 80 * MIB, "8.0", context_bytes=0)
+    sources: dict[str, CopiesPastOne] = {}
+
+    def source_for(change):
+        sources[repr(sorted(change.items()))] = job = CopiesPastOne(dict(change))
+        return job
+    response = answer(CopiesPastOne({}), [card], PlanOptions(reserve_bytes=0), source_for=source_for)
+    assert [(s.description.split(" (")[0], s.max_batch_size, s.recommended_batch_size, s.world_size)
+            for s in response.results[0].suggestions] == [("pure bf16", 1, 1, 1), ("FSDP", 1, 1, 2)]
+    bf16 = sources[repr([("training.precision", "bf16")])]
+    fsdp = sources[repr(sorted({"training.distributed.strategy": "fsdp", WORLD: 2}.items()))]
+    assert sorted(set(bf16.simulated)) == sorted(set(fsdp.simulated)) == [1, 2]
+
+
 class NotAffineSource(FakeSource):
     """The fake step with one more op per sample (a per-image loop, as detection models have) whose op also
     changes with the batch's parity: neither affine nor growing by segments in the batch, so every card is

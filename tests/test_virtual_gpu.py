@@ -195,6 +195,22 @@ def test_amp_bf16_with_checkpointing_on_a_card_that_emulates_bf16() -> None:
         assert torch.cuda.is_bf16_supported() and not torch.cuda.is_bf16_supported(including_emulation=False)
 
 
+def test_autocasts_bf16_question_leaves_the_step_the_same_on_every_card() -> None:
+    """autocast asks torch.cuda.is_bf16_supported() each time it is entered (checkpoint's recompute enters it
+    again): true on every card, so the step asked nothing of the card and the planner shares it between cards
+    (the simulator's signature); the native question (including_emulation=False) depends on the card."""
+    recipe = Recipe(precision="amp-bf16", gradient_checkpointing=True)
+    mf, bf, lf = ZOO["checkpoint"]
+    a100, h100 = (record_training(mf, bf, lf, 4, recipe, get_gpu(name)) for name in ("A100-80GB", "H100-80GB"))
+    assert a100.card_queries == h100.card_queries == []
+    assert (a100.events, a100.sizes(0), a100.categories()) == (h100.events, h100.sizes(0), h100.categories())
+    with VirtualGPU(get_gpu("A100-80GB")) as vgpu:
+        torch.cuda.is_bf16_supported()
+        assert vgpu.card_queries == []
+        torch.cuda.is_bf16_supported(including_emulation=False)
+        assert vgpu.card_queries == ["is_bf16_supported"]
+
+
 class _SharedChild(nn.Module):
     """One Linear registered under two parents (CoaT's shared_cpe / shared_crpe): Module._apply's recursion
     reaches it twice, the second time with fake parameters, which torch can only swap (and cannot: weakref)."""

@@ -139,9 +139,20 @@ class Suggester:
     def _suggestion(self, lever: Lever, card: GPU) -> Suggestion:
         steps = self._of(lever)
         assert steps is not None  # it landed
-        (best, _), = max_batches(steps, [card], self.start, self.options.confirm, Notes())
-        rec, _, _ = recommend(steps, card, self.start, best, self.options.headroom, align=self.options.align)
+        best, rec = self._batches(steps, card)
         return Suggestion(dict(lever.change), lever.text, best, rec, changes_method=lever.method)
+
+    def _batches(self, steps: Steps, card: GPU) -> tuple[int | None, int | None]:
+        """The max and recommended batch of a change on ``card``. When the full step one past the smallest
+        batch does not fit, the max is the smallest without a search: the search's affine fit would simulate one
+        batch further only to find the same (a fit through ``start`` is rejected where the step takes other paths
+        there, as a model with LoRA's adapters does)."""
+        if steps.can_confirm and steps.report(self.start, card).fits and not steps.report(self.start + 1, card).fits:
+            best: int | None = self.start
+        else:
+            (best, _), = max_batches(steps, [card], self.start, self.options.confirm, Notes())
+        rec, _, _ = recommend(steps, card, self.start, best, self.options.headroom, align=self.options.align)
+        return best, rec
 
     def _worlds_of(self, base: Lever) -> Worlds:
         key = _key(base)
@@ -166,9 +177,7 @@ class Suggester:
             if self._worlds_of(stacked(fewer)).fits(world, card, self.start, self.options.headroom):
                 kept = fewer
         base = stacked(kept)
-        steps = self._worlds_of(base).steps(world)
-        (best, _), = max_batches(steps, [card], self.start, self.options.confirm, Notes())
-        rec, _, _ = recommend(steps, card, self.start, best, self.options.headroom, align=self.options.align)
+        best, rec = self._batches(self._worlds_of(base).steps(world), card)
         words = f"FSDP (fully_shard per block) over {world} ranks" + (f" + {base.text}" if base.change else "")
         change = {**base.change, "training.distributed.strategy": "fsdp", WORLD: world}
         return Suggestion(change, words, best, rec, world, changes_method=base.method)

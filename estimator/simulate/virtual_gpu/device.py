@@ -95,8 +95,11 @@ def patch_cuda_queries(patches: Patches, props: DeviceProperties, memory: Memory
     patches.set(cuda, "get_device_capability", told("get_device_capability", capability))
     patches.set(cuda, "get_device_name", told("get_device_name", props.name))
     def is_bf16_supported(including_emulation: bool = True) -> bool:
-        # sm80+ natively; older cards emulate it, and torch's default counts that (it creates a bf16 tensor)
-        on_query("is_bf16_supported")
+        # sm80+ natively; older cards emulate it, and torch's default counts that (it creates a bf16 tensor): the
+        # default's answer is true on every card (autocast asks it each time it is entered), so only the native
+        # question depends on the card
+        if not including_emulation:
+            on_query("is_bf16_supported")
         return props.major >= 8 or including_emulation
     patches.set(cuda, "is_bf16_supported", is_bf16_supported)
     patches.set(cuda, "memory_allocated", lambda device=None: allocated())
