@@ -258,6 +258,32 @@ def test_tokens_round_trip_and_name_each_block() -> None:
     assert names == ["m.layers.0.mlp", "m.layers.1.mlp", "m.layers.2.mlp"]
 
 
+def test_a_queue_is_read_alike_at_every_depth_with_ties_as_the_oldest() -> None:
+    """Gradients freed in a queue (the optimizer's order): at depth 1 each kind's only free is both its newest
+    and its oldest. Read as the newest, a block more inserts frees of another name before it, a block more again
+    puts them elsewhere (no rule from depth 1); read as the oldest, each block inserts the same tokens at the
+    same place, and a rule holds from depth 1. ``deepen`` tries that reading where the first finds none."""
+    def queue(n: int) -> Trace:
+        grads = [Allocation(64, "backward", f"m.layers.{k}.lora_A", "mm", 0, "gradient") for k in range(n)]
+        return Trace(grads, [(True, k) for k in range(n)] + [(False, k) for k in range(n)])
+
+    def rule_of(ties: str):
+        codec = _Codec("m.layers", ties)
+        tokens = {n: codec.tokens(queue(n), n) for n in range(1, 4)}
+        assert all(codec.decode(tokens[n], n) == (queue(n).allocations, queue(n).events) for n in tokens)
+        try:
+            return _rule(tokens, None)
+        except NotPeriodic:
+            return None
+
+    oldest = rule_of("oldest")
+    assert oldest is not None and (oldest.kind, oldest.base) == ("repeated", 1)
+    assert rule_of("newest") is None
+    trace, rule = depth.deepen({n: queue(n) for n in range(1, 4)}, "m.layers", 12)
+    assert (trace.allocations, trace.events) == (queue(12).allocations, queue(12).events)
+    assert rule.reading == "oldest"
+
+
 def test_the_shallow_depths_are_split_between_two_cores_evenly() -> None:
     def lanes(*depths: int) -> tuple[list[int], list[int]]:
         here, child = depth._lanes([(1, n) for n in depths])
@@ -311,14 +337,17 @@ def test_a_search_split_over_a_child_and_its_family_hint_give_the_full_step(monk
     assert asked == list(depth._checked_on(*depth._FOUND[family])) and 1 not in asked
 
 
-@pytest.mark.parametrize("name", ["llama lora", "bert sequence classification"])
+@pytest.mark.parametrize("name, ties, deepest", [
+    ("llama lora", ("newest",), 5), ("llama lora", depth.TIES, 4), ("bert sequence classification", depth.TIES, 4)])
 def test_the_depth_after_the_next_runs_beside_it_and_is_dropped_when_not_needed(
-        name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        name: str, ties: tuple[str, ...], deepest: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """A search one depth short simulates the depth after the next in a child beside it: LoRA's drifting rule
-    (depths 1 to 5) takes both; BERT's rule at 2 holds with depth 4, and the child simulating 5 is killed."""
+    read with ties as the newest only (depths 1 to 5) takes both; read with ties as the oldest too (depths 1 to
+    4), as BERT's rule at 2 (depth 4), the child simulating 5 is killed."""
     from estimator.simulate import background
 
     monkeypatch.setattr(depth, "_FOUND", {})
+    monkeypatch.setattr(depth, "TIES", ties)
     monkeypatch.setattr(background, "enabled", lambda: True)
     forked: list[background.Background] = []
 
@@ -335,7 +364,7 @@ def test_the_depth_after_the_next_runs_beside_it_and_is_dropped_when_not_needed(
     deepener = Deepener(built)
     _same(record_built(built, 1, recipe, A100), deepener.record(1, recipe, A100))
     rule = deepener.rule
-    assert rule is not None and max(depth._checked_on(rule.kind, rule.base)) == (5 if name == "llama lora" else 4)
+    assert rule is not None and max(depth._checked_on(rule.kind, rule.base)) == deepest
     assert len(forked) == 2  # the first round's deepest depth, then the one ahead of depth 4
     assert all(job.pid is None for job in forked)  # collected, or killed and reaped
 

@@ -59,6 +59,7 @@ class Rule:
     positions: tuple[int, ...]
     shifts: tuple[int, ...]
     segments: tuple[tuple[Token, ...], ...]
+    reading: str = ""  # how the caller read the traces into tokens, where it has a choice (depth.py's ``TIES``)
 
     def grown(self, tokens: list[Token], blocks: int, done: int = 0,
               copy: Callable[[int, int], Sequence[Token]] | None = None) -> list[Token]:

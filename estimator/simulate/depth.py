@@ -54,12 +54,22 @@ MIN_LAYERS = 8  # below this, three shallow runs (BASE * 3 + 3 layers) save too 
 _GROUPING = frozenset({"ddp", "zero1"})
 
 
-class _Codec:
-    """Tokens of a trace whose blocks live under ``container`` (module ``<container>.<k>...``)."""
+# How a free that is both the newest and the oldest live one of its kind is named: as the newest, else as the
+# oldest. The first reading is tried first; the second where no rule holds of it. A kind with one live allocation
+# at depth 1 has one per block deeper: freed in a queue (LoRA's adapter gradients, by the optimizer), its frees
+# are the oldest of their kind there, and reading depth 1's as the oldest too lets the rule hold from depth 1
+# (LoRA: depths 1 to 4 instead of 2 to 5).
+TIES = ("newest", "oldest")
 
-    def __init__(self, container: str) -> None:
+
+class _Codec:
+    """Tokens of a trace whose blocks live under ``container`` (module ``<container>.<k>...``); ``ties``: the
+    name of a free that is both the newest and the oldest of its kind (``TIES``)."""
+
+    def __init__(self, container: str, ties: str = TIES[0]) -> None:
         self.layer = re.compile(rf"(?<![^.]){re.escape(container)}\.(\d+)(?![^.])")
         self.container = container
+        self.ties = ties
 
     def _kind(self, a: Allocation) -> tuple[Hashable, int | None]:
         """(what allocation ``a`` is, without its layer number; its layer number or None)."""
@@ -92,7 +102,8 @@ class _Codec:
                 pos = stack.index(k)
                 del stack[pos]
                 newest = len(stack) - pos  # 0: the newest of its kind
-                out.append(("F", kind, ("newest", newest) if newest <= pos else ("oldest", pos)))
+                nearer = newest < pos or (newest == pos and self.ties == "newest")
+                out.append(("F", kind, ("newest", newest) if nearer else ("oldest", pos)))
         return out
 
     def decode(self, tokens: Sequence[Token], depth: int) -> tuple[list[Allocation], list[tuple[bool, int]]]:
@@ -153,16 +164,26 @@ def _lines_at(lines: Sequence[Sequence[str]], depths: Sequence[int], depth: int)
 
 def deepen(traces: dict[int, Trace], container: str, depth: int, known: Rule | None = None) -> tuple[Trace, Rule]:
     """The trace at ``depth`` from shallow ``traces`` (by depth), and the rule it grew by: ``known`` (checked at
-    another batch) with this batch's segments when their shape is the same, else the first rule that holds
-    (``_rule``). NotPeriodic when none does; Deeper when a deeper shallow trace may tell."""
-    codec = _Codec(container)
-    tokens: dict[int, list[Token]] = {}
-    for n, trace in traces.items():
-        t = codec.tokens(trace, n)
-        if codec.decode(t, n) != (trace.allocations, trace.events):
-            raise NotPeriodic(f"the trace at depth {n} does not round-trip")
-        tokens[n] = t
-    rule = _rule(tokens, known)
+    another batch) with this batch's segments when their shape is the same, read as it was read there, else the
+    first rule that holds (``_rule``) of the first reading of ties that has one (``TIES``). NotPeriodic when none
+    does; Deeper when a deeper shallow trace may tell."""
+    failed: NotPeriodic | None = None
+    for ties in (known.reading,) if known is not None else TIES:
+        codec = _Codec(container, ties)
+        tokens: dict[int, list[Token]] = {}
+        for n, trace in traces.items():
+            t = codec.tokens(trace, n)
+            if codec.decode(t, n) != (trace.allocations, trace.events):
+                raise NotPeriodic(f"the trace at depth {n} does not round-trip")
+            tokens[n] = t
+        try:
+            rule = dataclasses.replace(_rule(tokens, known), reading=ties)
+            break
+        except NotPeriodic as exc:  # Deeper included: the same depths read the other way may hold
+            failed = failed or exc
+    else:
+        assert failed is not None
+        raise failed
     depths = list(rule.again if known is not None else rule.depths)
     used = [traces[n] for n in depths]
     if len({(repr(t.sdpa_calls), tuple(t.card_queries), tuple(t.capability_thresholds)) for t in used}) > 1:
