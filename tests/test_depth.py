@@ -361,12 +361,42 @@ def test_the_depth_after_the_next_runs_beside_it_and_is_dropped_when_not_needed(
     if name.startswith("bert"):  # 16 blocks: depths 1 to 5 cost fewer than the full model's
         model = {**model, "config": {**model["config"], "num_hidden_layers": 16}}
     built, recipe = _built(model, training)
+    assert built.depth is not None
+    built.depth = dataclasses.replace(built.depth, grows_by=None)  # no hint from the builder: a search from 1 to 3
     deepener = Deepener(built)
     _same(record_built(built, 1, recipe, A100), deepener.record(1, recipe, A100))
     rule = deepener.rule
     assert rule is not None and max(depth._checked_on(rule.kind, rule.base)) == deepest
     assert len(forked) == 2  # the first round's deepest depth, then the one ahead of depth 4
     assert all(job.pid is None for job in forked)  # collected, or killed and reaped
+
+
+def test_adapters_start_the_first_search_at_the_depths_their_rule_needs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model with LoRA's adapters grows by a drifting rule at 2: its builder says so (``Depth.grows_by``), and
+    the first search simulates depths 1 to 4 at once (split over two cores where one is spare), not 1 to 3 and
+    then 4."""
+    from estimator.simulate import background
+
+    monkeypatch.setattr(depth, "_FOUND", {})
+    monkeypatch.setattr(background, "spare_core", lambda: False)  # every shallow simulation here, in order
+    asked: list[int] = []
+    shallow = Deepener._shallow
+
+    def counted(self, n, *args, **kwargs):
+        asked.append(n)
+        return shallow(self, n, *args, **kwargs)
+
+    monkeypatch.setattr(Deepener, "_shallow", counted)
+    model, training = CASES["llama lora"]
+    built, recipe = _built(model, training)
+    assert built.depth is not None and built.depth.grows_by == ("drifting", 2)
+    deepener = Deepener(built)
+    assert deepener._plan(recipe) == (range(1, 5), range(2, 4))
+    _same(record_built(built, 1, recipe, A100), deepener.record(1, recipe, A100))
+    assert asked == [1, 2, 3, 4]
+    assert deepener.rule is not None and (deepener.rule.kind, deepener.rule.base) == ("drifting", 2)
+    _same(record_built(built, 2, recipe, A100), deepener.record(2, recipe, A100))
+    assert asked == [1, 2, 3, 4, 2, 3]  # another batch: the rule's two depths
 
 
 def test_a_hint_that_skips_the_depth_a_rule_needs_still_finds_it(monkeypatch: pytest.MonkeyPatch) -> None:

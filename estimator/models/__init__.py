@@ -47,11 +47,14 @@ OnDevice = Callable[["torch.nn.Module"], None]
 class Depth:
     """A model whose blocks repeat (estimator/simulate/depth.py): how many (``layers``), the module path of
     their ``ModuleList`` (``container``, e.g. ``model.layers``) and the same model built with ``n`` of them
-    (``at(n)``; None where that build's blocks are not the full model's, estimator/models/blocks.py)."""
+    (``at(n)``; None where that build's blocks are not the full model's, estimator/models/blocks.py).
+    ``grows_by``: the (kind, base) of the rule such a model's steps usually grow by, where the builder knows one
+    (it only orders the first search's simulations: estimator/simulate/depth.py)."""
 
     layers: int
     container: str
     at: Callable[[int], BuiltModel | None]
+    grows_by: tuple[str, int] | None = None
 
 
 @dataclass

@@ -360,13 +360,14 @@ class Deepener:
 
     def _plan(self, recipe: Recipe) -> tuple[range, range]:
         """The depths a first search simulates first: those the family's last rule was found and checked on,
-        else those of the rule such steps grow by: depths 1 to 3, 2 to 4 under FSDP. And the depths that rule
-        simulates at another batch (``Rule.again``)."""
-        # FSDP keeps the last block's gathered parameters: depth 1 is unlike the others (the rule at 2)
-        prior = ("repeated", 2) if recipe.distributed.strategy == "fsdp" else ("repeated", 1)
-        kind, base = _FOUND.get(_family(self.built, recipe), prior)
+        else those of the rule such steps grow by: depths 1 to 3, 2 to 4 under FSDP, those the builder names
+        (``Depth.grows_by``: 1 to 4 with adapters). And the depths that rule simulates at another batch
+        (``Rule.again``)."""
         depth = self.built.depth
         assert depth is not None
+        # FSDP keeps the last block's gathered parameters: depth 1 is unlike the others (the rule at 2)
+        prior = ("repeated", 2) if recipe.distributed.strategy == "fsdp" else depth.grows_by or ("repeated", 1)
+        kind, base = _FOUND.get(_family(self.built, recipe), prior)
         if sum(_checked_on(kind, base)) >= depth.layers:  # never more blocks than the full model
             kind, base = "repeated", 1
         return _checked_on(kind, base), range(base, base + 2)  # (the second: ``Rule.again`` of that rule)

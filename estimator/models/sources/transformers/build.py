@@ -209,6 +209,10 @@ def build_transformers(spec: TransformersModel, inp: InputSpec) -> BuiltModel:
 
     built.depth = _depth(model, tuned, config, built,
                          lambda n: lambda: _fine_tuned(factory_of(_shallow_config(config, n))(), spec, task, []))
+    if built.depth is not None and spec.peft is not None:
+        # the adapters' gradients and optimizer state grow in runs whose place drifts by a block at each depth:
+        # a drifting rule at 2 (depths 1 to 4), LoRA's and QLoRA's alike (tests/test_depth.py)
+        built.depth = dataclasses.replace(built.depth, grows_by=("drifting", 2))
     return built
 
 
