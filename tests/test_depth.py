@@ -19,6 +19,12 @@ from estimator.trace import Allocation, Trace
 
 pytestmark = pytest.mark.sim
 
+
+@pytest.fixture(autouse=True)
+def _no_world_rules(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test's distributed steps search their own rule (``_WORLD_RULES``: none from another test's)."""
+    monkeypatch.setattr(depth, "_WORLD_RULES", {})
+
 A100 = get_gpu("A100-80GB")
 LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
          "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 256, "num_hidden_layers": 16}
@@ -332,6 +338,7 @@ def test_a_search_split_over_a_child_and_its_family_hint_give_the_full_step(monk
         return shallow(self, n, *args, **kwargs)
 
     monkeypatch.setattr(Deepener, "_shallow", counted)
+    monkeypatch.setattr(depth, "_WORLD_RULES", {})  # the rule itself (another world's) would take two depths
     second = Deepener(built)
     _same(record_built(built, 1, recipe, A100), second.record(1, recipe, A100))
     assert asked == list(depth._checked_on(*depth._FOUND[family])) and 1 not in asked
@@ -412,6 +419,44 @@ def test_a_hint_that_skips_the_depth_a_rule_needs_still_finds_it(monkeypatch: py
     _same(record_built(built, 1, recipe, A100), deepener.record(1, recipe, A100))
     assert deepener.rule is not None and (deepener.rule.kind, deepener.rule.base) == ("drifting", 2)
     assert depth._FOUND[depth._family(built, recipe)] == ("drifting", 2)
+
+
+def test_another_world_follows_the_rule_found_at_the_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FSDP over another number of ranks (a world-size search's next probe; a rank of uneven shards) is the same
+    program with other shard sizes: its first simulation follows the rule found at the first world, from the two
+    depths a later batch simulates, and gives the full simulation's step."""
+    from estimator.simulate import background
+
+    monkeypatch.setattr(depth, "_FOUND", {})
+    monkeypatch.setattr(background, "spare_core", lambda: False)  # every shallow simulation here, counted
+    asked: list[int] = []
+    shallow = Deepener._shallow
+
+    def counted(self, n, *args, **kwargs):
+        asked.append(n)
+        return shallow(self, n, *args, **kwargs)
+
+    monkeypatch.setattr(Deepener, "_shallow", counted)
+    model, training = CASES["llama fsdp"]
+    built, recipe = _built(model, training)
+    d = recipe.distributed
+    first = Deepener(built)
+    _same(record_built(built, 1, recipe, A100), first.record(1, recipe, A100))
+    assert asked == [2, 3, 4] and first.rule is not None
+    seen = {}
+    for world, rank in ((2, 0), (3, 0), (3, 2), (8, 7)):
+        asked.clear()
+        other = dataclasses.replace(recipe, distributed=d.at(world, rank))
+        deepener = Deepener(built)
+        _same(record_built(built, 1, other, A100), deepener.record(1, other, A100))
+        seen[world, rank] = list(asked)
+        assert deepener.rule is not None
+        asked.clear()
+        _same(record_built(built, 2, other, A100), deepener.record(2, other, A100))
+        assert asked == [2, 3]
+    # the last ranks of uneven shards step otherwise (their shards' tokens differ): the rule is searched again
+    # from the depths it was checked on, as at a batch whose alignment came out otherwise
+    assert seen == {(2, 0): [2, 3], (3, 0): [2, 3], (3, 2): [2, 3, 4], (8, 7): [2, 3, 4]}
 
 
 def test_the_family_table_keeps_its_bound_whoever_adds_to_it(monkeypatch: pytest.MonkeyPatch) -> None:

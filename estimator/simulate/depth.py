@@ -256,6 +256,18 @@ def _family(built: BuiltModel, recipe: Recipe) -> tuple[Hashable, ...]:
             recipe.distributed.strategy, recipe.gradient_checkpointing, recipe.optimizer)
 
 
+# (family, the recipe at world size 1) -> the rule a distributed step of it grew by, with the reading it was found
+# with: another world size's (or rank's) first simulation of the same model and recipe follows it, as a later
+# batch does (``Deepener._deepened``); searched again where it does not hold. The parent's own (a child's stay
+# there).
+_WORLD_RULES: dict[tuple[Hashable, ...], Rule] = {}
+
+
+def _worlds(built: BuiltModel, recipe: Recipe) -> tuple[Hashable, ...]:
+    """The key of ``_WORLD_RULES``: what a step's rule depends on but its world size and rank."""
+    return (*_family(built, recipe), repr(dataclasses.replace(recipe, distributed=recipe.distributed.at(1, 0))))
+
+
 def _remember(families: dict[tuple[Hashable, ...], tuple[str, int]]) -> None:
     """Note the rules ``families`` grew by in ``_FOUND``, the oldest forgotten past ``MAX_FAMILIES`` (a
     long-lived worker's)."""
@@ -418,6 +430,15 @@ class Deepener:
                 traces[n] = self._shallow(n, batch, recipe, gpu, notes)
         return dict(sorted(traces.items()))
 
+    def _also(self, batch: int, again: Sequence[int], recipe: Recipe, gpu: GPU | None,
+              notes: Sequence[str]) -> list[tuple[int, int]]:
+        """The ``(batch, depth)`` simulations of the batch ``expect`` named, at the depths ``again`` (a rule's
+        at another batch), where it was named with this recipe, card and notes; taken, once."""
+        expected, self._expected = self._expected, None
+        if expected is None or expected[0] == batch or expected[1] != (recipe, gpu, tuple(notes)):
+            return []
+        return [(expected[0], n) for n in again]
+
     def _ahead(self, n: int, traces: dict[int, Trace], batch: int, recipe: Recipe, gpu: GPU | None,
                notes: Sequence[str]) -> tuple[int, background.Background] | None:
         """Where a core is spare, the depth after ``n`` started in a child while ``n`` is simulated here: a
@@ -434,16 +455,19 @@ class Deepener:
         depth = self.built.depth
         assert depth is not None
         known = self.rule
+        elsewhere = known is None and recipe.distributed.active  # another world's rule, where one is known
+        if elsewhere:
+            known = _WORLD_RULES.get(_worlds(self.built, recipe))
         if known is None:
             plan, again = self._plan(recipe)
-            expected, self._expected = self._expected, None
-            also = [(expected[0], n) for n in again] if expected is not None and expected[0] != batch \
-                and expected[1] == (recipe, gpu, tuple(notes)) else []
-            traces = self._shallows(plan, batch, recipe, gpu, notes, also)
+            traces = self._shallows(plan, batch, recipe, gpu, notes, self._also(batch, again, recipe, gpu, notes))
         else:
-            traces = self._shallows(known.again, batch, recipe, gpu, notes)
+            also = self._also(batch, known.again, recipe, gpu, notes) if elsewhere else []
+            traces = self._shallows(known.again, batch, recipe, gpu, notes, also)
             try:
-                trace, _ = deepen(traces, depth.container, depth.layers, known)
+                trace, rule = deepen(traces, depth.container, depth.layers, known)
+                if elsewhere:
+                    self.rule = rule  # this world's segments, the shape checked at another world
                 return self._noted(trace, known.kind, sorted(traces))
             except NotPeriodic as exc:  # an alignment that came out otherwise at this batch: search again,
                 log.info("%s at batch %d: %s; the rule searched again", self.built.name, batch, exc)
@@ -475,6 +499,10 @@ class Deepener:
                 ahead[1].close()
         self.rule = self.rule or rule
         _remember({_family(self.built, recipe): (rule.kind, rule.base)})
+        if recipe.distributed.active:
+            _WORLD_RULES[_worlds(self.built, recipe)] = rule
+            while len(_WORLD_RULES) > MAX_FAMILIES:
+                del _WORLD_RULES[next(iter(_WORLD_RULES))]
         return self._noted(trace, rule.kind, list(rule.depths))
 
     def _noted(self, trace: Trace, kind: str, depths: Sequence[int]) -> Trace:
