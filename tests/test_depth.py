@@ -73,6 +73,22 @@ def _same(full: Trace, deep: Trace) -> None:
         full.unsupported, full.sdpa_calls, full.card_queries, full.capability_thresholds)
 
 
+def _shallow_depths(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The depths each shallow simulation from now on runs at, in order (all in this process: no spare core)."""
+    from estimator.simulate import background
+
+    monkeypatch.setattr(background, "spare_core", lambda: False)
+    asked: list[int] = []
+    shallow = Deepener._shallow
+
+    def counted(self, n, *args, **kwargs):
+        asked.append(n)
+        return shallow(self, n, *args, **kwargs)
+
+    monkeypatch.setattr(Deepener, "_shallow", counted)
+    return asked
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_a_deepened_step_is_the_full_simulation_event_for_event(name: str) -> None:
     model, training = CASES[name]
@@ -329,15 +345,7 @@ def test_a_search_split_over_a_child_and_its_family_hint_give_the_full_step(monk
     family = depth._family(built, recipe)
     assert depth._FOUND[family] == (first.rule.kind, first.rule.base)
 
-    monkeypatch.setattr(background, "spare_core", lambda: False)  # every shallow simulation here, counted
-    asked: list[int] = []
-    shallow = Deepener._shallow
-
-    def counted(self, n, *args, **kwargs):
-        asked.append(n)
-        return shallow(self, n, *args, **kwargs)
-
-    monkeypatch.setattr(Deepener, "_shallow", counted)
+    asked = _shallow_depths(monkeypatch)
     monkeypatch.setattr(depth, "_WORLD_RULES", {})  # the rule itself (another world's) would take two depths
     second = Deepener(built)
     _same(record_built(built, 1, recipe, A100), second.record(1, recipe, A100))
@@ -382,18 +390,9 @@ def test_adapters_start_the_first_search_at_the_depths_their_rule_needs(monkeypa
     """A model with LoRA's adapters grows by a drifting rule at 2: its builder says so (``Depth.grows_by``), and
     the first search simulates depths 1 to 4 at once (split over two cores where one is spare), not 1 to 3 and
     then 4."""
-    from estimator.simulate import background
 
     monkeypatch.setattr(depth, "_FOUND", {})
-    monkeypatch.setattr(background, "spare_core", lambda: False)  # every shallow simulation here, in order
-    asked: list[int] = []
-    shallow = Deepener._shallow
-
-    def counted(self, n, *args, **kwargs):
-        asked.append(n)
-        return shallow(self, n, *args, **kwargs)
-
-    monkeypatch.setattr(Deepener, "_shallow", counted)
+    asked = _shallow_depths(monkeypatch)
     model, training = CASES["llama lora"]
     built, recipe = _built(model, training)
     assert built.depth is not None and built.depth.grows_by == ("drifting", 2)
@@ -425,18 +424,9 @@ def test_another_world_follows_the_rule_found_at_the_first(monkeypatch: pytest.M
     """FSDP over another number of ranks (a world-size search's next probe; a rank of uneven shards) is the same
     program with other shard sizes: its first simulation follows the rule found at the first world, from the two
     depths a later batch simulates, and gives the full simulation's step."""
-    from estimator.simulate import background
 
     monkeypatch.setattr(depth, "_FOUND", {})
-    monkeypatch.setattr(background, "spare_core", lambda: False)  # every shallow simulation here, counted
-    asked: list[int] = []
-    shallow = Deepener._shallow
-
-    def counted(self, n, *args, **kwargs):
-        asked.append(n)
-        return shallow(self, n, *args, **kwargs)
-
-    monkeypatch.setattr(Deepener, "_shallow", counted)
+    asked = _shallow_depths(monkeypatch)
     model, training = CASES["llama fsdp"]
     built, recipe = _built(model, training)
     d = recipe.distributed
