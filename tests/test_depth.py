@@ -13,7 +13,8 @@ from estimator.pipeline import estimate, job_of
 from estimator.plan.periodic import NotPeriodic, drifting, repeated
 from estimator.request.parse import parse_request
 from estimator.simulate import depth
-from estimator.simulate.depth import Deepener, _Codec, _rule
+from estimator.simulate.block_tokens import BlockCodec
+from estimator.simulate.depth import Deepener, _rule
 from estimator.simulate.record import record_built
 from estimator.trace import Allocation, Trace
 
@@ -269,7 +270,7 @@ def test_tokens_round_trip_and_name_each_block() -> None:
     # two blocks: a forward activation per block (up), freed in backward (down, the newest first)
     allocations = [Allocation(64, "forward", f"m.layers.{k}.mlp", "mm", 0, "activation") for k in range(2)]
     trace = Trace(allocations, [(True, 0), (True, 1), (False, 1), (False, 0)])
-    codec = _Codec("m.layers")
+    codec = BlockCodec("m.layers")
     tokens = codec.tokens(trace, 2)
     kind = (64, "forward", "m.layers.#.mlp", "mm", "activation", 0, 0)
     assert tokens == [("A", kind, "first"), ("A", kind, 1), ("F", kind, ("newest", 0)), ("F", kind, ("newest", 0))]
@@ -290,7 +291,7 @@ def test_a_queue_is_read_alike_at_every_depth_with_ties_as_the_oldest() -> None:
         return Trace(grads, [(True, k) for k in range(n)] + [(False, k) for k in range(n)])
 
     def rule_of(ties: str):
-        codec = _Codec("m.layers", ties)
+        codec = BlockCodec("m.layers", ties)
         tokens = {n: codec.tokens(queue(n), n) for n in range(1, 4)}
         assert all(codec.decode(tokens[n], n) == (queue(n).allocations, queue(n).events) for n in tokens)
         try:
@@ -446,7 +447,26 @@ def test_another_world_follows_the_rule_found_at_the_first(monkeypatch: pytest.M
         assert asked == [2, 3]
     # the last ranks of uneven shards step otherwise (their shards' tokens differ): the rule is searched again
     # from the depths it was checked on, as at a batch whose alignment came out otherwise
-    assert seen == {(2, 0): [2, 3], (3, 0): [2, 3], (3, 2): [2, 3, 4], (8, 7): [2, 3, 4]}
+    # (and the first world's rule stays the one to follow: rank 2 of 3's does not replace it)
+    assert seen == {(2, 0): [2, 3], (3, 0): [2, 3], (3, 2): [2, 3, 4], (8, 7): [2, 3]}
+
+
+def test_a_world_rule_is_keyed_by_all_but_the_world_and_kept_bounded() -> None:
+    """The key leaves out the world size and rank only (a step at another input or recipe searches its own), and
+    is made without checking the strategy at another world (an integer reshard_after_forward must divide it)."""
+    model, training = CASES["llama fsdp"]
+    training = {**training, "distributed": {**training["distributed"], "world_size": 8,
+                                            "fsdp": {"param_dtype": "bf16", "reshard_after_forward": 2}}}
+    built, recipe = _built(model, training)
+    d = recipe.distributed
+    key = depth._worlds(built, recipe)
+    assert depth._worlds(built, dataclasses.replace(recipe, distributed=d.at(4, 3))) == key
+    longer, _ = _built(model, training, seq_len=64)
+    assert depth._worlds(longer, recipe) != key
+    assert depth._worlds(built, dataclasses.replace(recipe, gradient_checkpointing=True)) != key
+    table = {n: n for n in range(depth.MAX_FAMILIES + 3)}
+    depth._bounded(table)
+    assert list(table) == list(range(3, depth.MAX_FAMILIES + 3))  # the oldest forgotten
 
 
 def test_the_family_table_keeps_its_bound_whoever_adds_to_it(monkeypatch: pytest.MonkeyPatch) -> None:

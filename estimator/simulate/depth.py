@@ -42,9 +42,10 @@ from estimator.gpus import GPU
 from estimator.models import BuiltModel
 from estimator.plan.periodic import NotPeriodic, Rule, Token, holds, inserts
 from estimator.simulate import background
+from estimator.simulate.block_tokens import TIES, BlockCodec
 from estimator.simulate.recipe import Recipe
 from estimator.simulate.record import record_built
-from estimator.trace import Allocation, Trace
+from estimator.trace import Trace
 
 log = logging.getLogger(__name__)
 
@@ -52,89 +53,6 @@ BASE = 1  # the shallowest depth recorded: then BASE + 1 and BASE + 2
 MIN_LAYERS = 8  # below this, three shallow runs (BASE * 3 + 3 layers) save too little
 # strategies whose memory groups parameters across blocks: DDP's 25 MiB buckets, ZeRO-1's partitions by rank
 _GROUPING = frozenset({"ddp", "zero1"})
-
-
-# How a free that is both the newest and the oldest live one of its kind is named: as the newest, else as the
-# oldest. The first reading is tried first; the second where no rule holds of it. A kind with one live allocation
-# at depth 1 has one per block deeper: freed in a queue (LoRA's adapter gradients, by the optimizer), its frees
-# are the oldest of their kind there, and reading depth 1's as the oldest too lets the rule hold from depth 1
-# (LoRA: depths 1 to 4 instead of 2 to 5).
-TIES = ("newest", "oldest")
-
-
-class _Codec:
-    """Tokens of a trace whose blocks live under ``container`` (module ``<container>.<k>...``); ``ties``: the
-    name of a free that is both the newest and the oldest of its kind (``TIES``)."""
-
-    def __init__(self, container: str, ties: str = TIES[0]) -> None:
-        self.layer = re.compile(rf"(?<![^.]){re.escape(container)}\.(\d+)(?![^.])")
-        self.container = container
-        self.ties = ties
-
-    def _kind(self, a: Allocation) -> tuple[Hashable, int | None]:
-        """(what allocation ``a`` is, without its layer number; its layer number or None)."""
-        found = self.layer.search(a.module)
-        module = a.module if found is None else f"{a.module[:found.start(1)]}#{a.module[found.end(1):]}"
-        return (a.nbytes, a.phase, module, a.op, a.category, a.stream, a.iteration), (
-            None if found is None else int(found.group(1)))
-
-    def tokens(self, trace: Trace, depth: int) -> list[Token]:
-        out: list[Token] = []
-        live: dict[Hashable, list[int]] = {}
-        kinds: dict[int, Hashable] = {}
-        previous: int | None = None
-        for is_alloc, k in trace.events:
-            if is_alloc:
-                kind, layer = self._kind(trace.allocations[k])
-                kinds[k] = kind
-                live.setdefault(kind, []).append(k)
-                code: Hashable = None
-                if layer is not None:
-                    if previous is not None and abs(layer - previous) <= 1:
-                        code = layer - previous
-                    else:
-                        code = "first" if layer == 0 else "last" if layer == depth - 1 else ("at", layer)
-                    previous = layer
-                out.append(("A", kind, code))
-            else:
-                kind = kinds.pop(k)
-                stack = live[kind]
-                pos = stack.index(k)
-                del stack[pos]
-                newest = len(stack) - pos  # 0: the newest of its kind
-                nearer = newest < pos or (newest == pos and self.ties == "newest")
-                out.append(("F", kind, ("newest", newest) if nearer else ("oldest", pos)))
-        return out
-
-    def decode(self, tokens: Sequence[Token], depth: int) -> tuple[list[Allocation], list[tuple[bool, int]]]:
-        allocations: list[Allocation] = []
-        events: list[tuple[bool, int]] = []
-        live: dict[Hashable, list[int]] = {}
-        previous: int | None = None
-        for op, kind, code in tokens:
-            if op == "A":
-                fields: tuple[int, str, str, str, str, int, int] = kind
-                nbytes, phase, module, name, category, stream, iteration = fields
-                if code is not None:
-                    layer: int = (previous + code if isinstance(code, int) and previous is not None
-                                  else 0 if code == "first" else depth - 1 if code == "last" else code[1])
-                    if not 0 <= layer < depth:
-                        raise NotPeriodic(f"layer {layer} of {depth}")
-                    module = module.replace(f"{self.container}.#", f"{self.container}.{layer}", 1)
-                    previous = layer
-                live.setdefault(kind, []).append(len(allocations))
-                events.append((True, len(allocations)))
-                allocations.append(Allocation(nbytes, phase, module, name, iteration, category, stream))
-            else:
-                stack = live.get(kind, [])
-                where: tuple[str, int] = code
-                side, rank = where
-                pos = len(stack) - 1 - rank if side == "newest" else rank
-                if not 0 <= pos < len(stack):
-                    raise NotPeriodic(f"a free of rank {rank} among {len(stack)}")
-                events.append((False, stack.pop(pos)))
-        return allocations, events
-
 
 
 def _line_at(same: Sequence[str], depths: Sequence[int], depth: int) -> str:
@@ -168,8 +86,8 @@ def deepen(traces: dict[int, Trace], container: str, depth: int, known: Rule | N
     first rule that holds (``_rule``) of the first reading of ties that has one (``TIES``). NotPeriodic when none
     does; Deeper when a deeper shallow trace may tell."""
     failed: NotPeriodic | None = None
-    for ties in (known.reading,) if known is not None else TIES:
-        codec = _Codec(container, ties)
+    for ties in (known.reading or TIES[0],) if known is not None else TIES:
+        codec = BlockCodec(container, ties)
         tokens: dict[int, list[Token]] = {}
         for n, trace in traces.items():
             t = codec.tokens(trace, n)
@@ -256,24 +174,31 @@ def _family(built: BuiltModel, recipe: Recipe) -> tuple[Hashable, ...]:
             recipe.distributed.strategy, recipe.gradient_checkpointing, recipe.optimizer)
 
 
-# (family, the recipe at world size 1) -> the rule a distributed step of it grew by, with the reading it was found
-# with: another world size's (or rank's) first simulation of the same model and recipe follows it, as a later
-# batch does (``Deepener._deepened``); searched again where it does not hold. The parent's own (a child's stay
-# there).
+# (family, input, the recipe but its world size and rank) -> the rule the first distributed step of it grew by,
+# with the reading it was found with: another world size's (or rank's) first simulation of the same model, input
+# and recipe follows it, as a later batch does (``Deepener._deepened``); searched again where it does not hold.
+# The parent's own (a child's stay there).
 _WORLD_RULES: dict[tuple[Hashable, ...], Rule] = {}
 
 
 def _worlds(built: BuiltModel, recipe: Recipe) -> tuple[Hashable, ...]:
     """The key of ``_WORLD_RULES``: what a step's rule depends on but its world size and rank."""
-    return (*_family(built, recipe), repr(dataclasses.replace(recipe, distributed=recipe.distributed.at(1, 0))))
+    d = recipe.distributed
+    others = [(f.name, getattr(recipe, f.name)) for f in dataclasses.fields(recipe) if f.name != "distributed"]
+    strategy = [(f.name, getattr(d, f.name)) for f in dataclasses.fields(d) if f.name not in ("world_size", "rank")]
+    return (*_family(built, recipe), repr(sorted(built.input.items())), repr(others), repr(strategy))
+
+
+def _bounded(table: dict) -> None:
+    """The oldest entries of ``table`` forgotten past ``MAX_FAMILIES`` (a long-lived worker's)."""
+    while len(table) > MAX_FAMILIES:
+        del table[next(iter(table))]
 
 
 def _remember(families: dict[tuple[Hashable, ...], tuple[str, int]]) -> None:
-    """Note the rules ``families`` grew by in ``_FOUND``, the oldest forgotten past ``MAX_FAMILIES`` (a
-    long-lived worker's)."""
+    """Note the rules ``families`` grew by in ``_FOUND``, the oldest forgotten past ``MAX_FAMILIES``."""
     _FOUND.update(families)
-    while len(_FOUND) > MAX_FAMILIES:
-        del _FOUND[next(iter(_FOUND))]
+    _bounded(_FOUND)
 
 
 def _checked_on(kind: str, base: int) -> range:
@@ -328,7 +253,8 @@ class Deepener:
         self._expected = batch, (recipe, gpu, tuple(notes))
 
     def will_search(self, recipe: Recipe) -> bool:
-        """Whether the next simulation searches the blocks' rule (none known yet, the shortcut not refused)."""
+        """Whether the next simulation may search the blocks' rule (none known yet, the shortcut not refused; a
+        distributed step may follow another world's, ``_WORLD_RULES``)."""
         return self.periodic is None and self.rule is None and worth_it(self.built, recipe)
 
     def found(self) -> Found:
@@ -499,10 +425,9 @@ class Deepener:
                 ahead[1].close()
         self.rule = self.rule or rule
         _remember({_family(self.built, recipe): (rule.kind, rule.base)})
-        if recipe.distributed.active:
-            _WORLD_RULES[_worlds(self.built, recipe)] = rule
-            while len(_WORLD_RULES) > MAX_FAMILIES:
-                del _WORLD_RULES[next(iter(_WORLD_RULES))]
+        if recipe.distributed.active:  # the first world's (another rank of uneven shards may step otherwise)
+            _WORLD_RULES.setdefault(_worlds(self.built, recipe), rule)
+            _bounded(_WORLD_RULES)
         return self._noted(trace, rule.kind, list(rule.depths))
 
     def _noted(self, trace: Trace, kind: str, depths: Sequence[int]) -> Trace:
