@@ -32,8 +32,8 @@ class BlockCodec:
     name of a free as far from the newest as from the oldest of its kind (one of ``TIES``)."""
 
     def __init__(self, container: str, ties: str = TIES[0]) -> None:
-        if ties not in ("newest", "oldest"):
-            raise ValueError(f"ties: {ties!r}, expected 'newest' or 'oldest'")
+        if ties not in TIES:
+            raise ValueError(f"ties: {ties!r}, expected one of {TIES}")
         self.layer = re.compile(rf"(?<![^.]){re.escape(container)}\.(\d+)(?![^.])")
         self.container = container
         self.ties = ties
