@@ -89,6 +89,62 @@ def test_cache_hit_shortcut(training) -> None:
                                 shortcuts=Shortcuts(cache_hits=False)))
 
 
+@pytest.mark.parametrize("training", [{"precision": "amp-bf16"}, {"precision": "fp32", "gradient_checkpointing":
+                                                                  "selective"}])
+def test_unsafe_view_shortcut(training, monkeypatch) -> None:
+    """``_unsafe_view`` made without torch's reshape helper: the same step as torch's own path, on a transformer
+    (every batched matmul's output is reshaped by it)."""
+    from estimator.pipeline import job_of
+    from estimator.simulate.virtual_gpu.fake_mode import FakeMode
+
+    taken = [0]  # outputs the shortcut made (counted, not held: holding one would keep its storage alive)
+    shortcut = FakeMode._unsafe_view
+
+    def counted(self, args, kwargs):
+        out = shortcut(self, args, kwargs)
+        taken[0] += out is not NotImplemented
+        return out
+
+    monkeypatch.setattr(FakeMode, "_unsafe_view", counted)
+    job = job_of(parse_request({"model": LLAMA, "input": {"seq_len": 32}, "training": training}))
+    b = build_request(parse_request({"model": LLAMA, "input": {"seq_len": 32}, "training": training}))
+    fast = record_training(b.factory, b.batch_factory, b.loss_fn, 2, job.recipe, A100)
+    assert taken[0] > 10
+    _same(fast, record_training(b.factory, b.batch_factory, b.loss_fn, 2, job.recipe, A100,
+                                shortcuts=Shortcuts(unsafe_view=False)))
+
+
+def _unsafe_views(fast: bool) -> list:
+    """What ``_unsafe_view`` gives for contiguous, offset, inferred, empty and refused inputs (or its error)."""
+    from estimator.simulate.virtual_gpu.fake_mode import FakeMode
+
+    mode = FakeMode(shortcuts=Shortcuts(unsafe_view=fast))
+    got: list = []
+    with mode:
+        a = torch.empty(4, 6, 8, device="cuda", dtype=torch.bfloat16)
+        cases = [(a, [24, 8]), (a[1:], [3, 48]), (a, [-1]), (a, (2, -1, 8)), (a, [5, 8]), (a.transpose(0, 1), [24, 8]),
+                 (torch.empty(0, 5, device="cuda"), [0, -1, 5]), (torch.empty(3), [3])]
+        for x, shape in cases:
+            try:
+                o = aten._unsafe_view(x, shape)
+            except Exception as exc:  # torch's own error, from either path
+                got.append((type(exc).__name__, str(exc)))
+                continue
+            state = {k: v for k, v in o.__dict__.items() if k != "fake_mode"}
+            got.append((type(o), o.shape, o.stride(), o.storage_offset(), o.untyped_storage().nbytes(),
+                        torch._C._is_alias_of(o, x), o._is_view(), o._base is None, o.device, o.dtype, o.requires_grad,
+                        str(torch._C._dispatch_keys(o)), o.fake_mode is mode, sorted(state.items(), key=str)))
+            x.add_(1)  # its own version counter: not bumped by a write to the input
+            got.append((o._version, x._version))
+    return got
+
+
+def test_an_unsafe_view_has_what_torch_gives_it() -> None:
+    """The storage, offset, strides, version counter and state of ``_unsafe_view``'s output, and the errors of
+    inputs it cannot view, are torch's own."""
+    assert _unsafe_views(True) == _unsafe_views(False)
+
+
 def test_a_cache_hit_output_has_the_state_torch_gives_a_fake_tensor() -> None:
     """``FakeMode._fresh`` sets what ``FakeTensor.__new__`` sets (a torch that adds state fails here)."""
     from torch._subclasses.fake_tensor import FakeTensor
