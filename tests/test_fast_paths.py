@@ -89,60 +89,77 @@ def test_cache_hit_shortcut(training) -> None:
                                 shortcuts=Shortcuts(cache_hits=False)))
 
 
-@pytest.mark.parametrize("training", [{"precision": "amp-bf16"}, {"precision": "fp32", "gradient_checkpointing":
-                                                                  "selective"}])
-def test_unsafe_view_shortcut(training, monkeypatch) -> None:
-    """``_unsafe_view`` made without torch's reshape helper: the same step as torch's own path, on a transformer
-    (every batched matmul's output is reshaped by it)."""
+GPT2 = {"source": "transformers", "task": "causal-lm",
+        "config": {"model_type": "gpt2", "n_embd": 64, "n_head": 4, "n_layer": 2, "vocab_size": 256, "n_positions": 64}}
+
+
+@pytest.mark.parametrize("model, training, shortcut", [
+    (LLAMA, {"precision": "amp-bf16"}, "_unsafe_view"),
+    (LLAMA, {"precision": "fp32", "gradient_checkpointing": "selective"}, "_unsafe_view"),
+    (GPT2, {"precision": "amp-bf16"}, "_split"),  # its attention splits the fused projection
+], ids=["llama-amp-bf16", "llama-selective", "gpt2-amp-bf16"])
+def test_view_shortcuts(model, training, shortcut, monkeypatch) -> None:
+    """``_unsafe_view`` and ``split`` made without torch's Python kernels: the same step as torch's own path, on
+    transformers (every batched matmul's output is reshaped by ``_unsafe_view``)."""
     from estimator.pipeline import job_of
     from estimator.simulate.virtual_gpu.fake_mode import FakeMode
 
     taken = [0]  # outputs the shortcut made (counted, not held: holding one would keep its storage alive)
-    shortcut = FakeMode._unsafe_view
+    original = getattr(FakeMode, shortcut)
 
-    def counted(self, args, kwargs):
-        out = shortcut(self, args, kwargs)
+    def counted(self, *args):
+        out = original(self, *args)
         taken[0] += out is not NotImplemented
         return out
 
-    monkeypatch.setattr(FakeMode, "_unsafe_view", counted)
-    job = job_of(parse_request({"model": LLAMA, "input": {"seq_len": 32}, "training": training}))
-    b = build_request(parse_request({"model": LLAMA, "input": {"seq_len": 32}, "training": training}))
+    monkeypatch.setattr(FakeMode, shortcut, counted)
+    request = parse_request({"model": model, "input": {"seq_len": 32}, "training": training})
+    job, b = job_of(request), build_request(request)
     fast = record_training(b.factory, b.batch_factory, b.loss_fn, 2, job.recipe, A100)
-    assert taken[0] > 10
+    assert taken[0] >= 4  # at least once per layer and iteration
     _same(fast, record_training(b.factory, b.batch_factory, b.loss_fn, 2, job.recipe, A100,
-                                shortcuts=Shortcuts(unsafe_view=False)))
+                                shortcuts=Shortcuts(views=False)))
 
 
-def _unsafe_views(fast: bool) -> list:
-    """What ``_unsafe_view`` gives for contiguous, offset, inferred, empty and refused inputs (or its error)."""
+def _views(fast: bool) -> list:
+    """What ``_unsafe_view``, ``split`` and ``split_with_sizes`` give for contiguous, strided, offset, inferred and
+    empty inputs, or their errors."""
     from estimator.simulate.virtual_gpu.fake_mode import FakeMode
 
-    mode = FakeMode(shortcuts=Shortcuts(unsafe_view=fast))
+    mode = FakeMode(shortcuts=Shortcuts(views=fast))
     got: list = []
     with mode:
         a = torch.empty(4, 6, 8, device="cuda", dtype=torch.bfloat16)
-        cases = [(a, [24, 8]), (a[1:], [3, 48]), (a, [-1]), (a, (2, -1, 8)), (a, [5, 8]), (a.transpose(0, 1), [24, 8]),
-                 (torch.empty(0, 5, device="cuda"), [0, -1, 5]), (torch.empty(3), [3])]
-        for x, shape in cases:
+        split, sizes = aten.split.Tensor, aten.split_with_sizes.default
+        cases = [
+            (aten._unsafe_view, (a, [24, 8])), (aten._unsafe_view, (a[1:], [3, 48])), (aten._unsafe_view, (a, [-1])),
+            (aten._unsafe_view, (a, (2, -1, 8))), (aten._unsafe_view, (a, [5, 8])),
+            (aten._unsafe_view, (a.transpose(0, 1), [24, 8])), (aten._unsafe_view, (torch.empty(3), [3])),
+            (aten._unsafe_view, (torch.empty(0, 5, device="cuda"), [0, -1, 5])),
+            (split, (a, 2)), (split, (a, 4, 1)), (split, (a.transpose(0, 1), 4, 1)), (split, (a[1:], 5, -1)),
+            (split, (a, 9, 2)), (split, (a, 0)), (split, (torch.empty(0, 3, device="cuda"), 2)),
+            (sizes, (a, [1, 3])), (sizes, (a, [2, 0, 4], 1)), (sizes, (a, [2, 3], 1)), (sizes, (a[:, 1], [5, 3], -1)),
+        ]
+        for op, args in cases:
             try:
-                o = aten._unsafe_view(x, shape)
+                out = op(*args)
             except Exception as exc:  # torch's own error, from either path
                 got.append((type(exc).__name__, str(exc)))
                 continue
-            state = {k: v for k, v in o.__dict__.items() if k != "fake_mode"}
-            got.append((type(o), o.shape, o.stride(), o.storage_offset(), o.untyped_storage().nbytes(),
-                        torch._C._is_alias_of(o, x), o._is_view(), o._base is None, o.device, o.dtype, o.requires_grad,
-                        str(torch._C._dispatch_keys(o)), o.fake_mode is mode, sorted(state.items(), key=str)))
-            x.add_(1)  # its own version counter: not bumped by a write to the input
-            got.append((o._version, x._version))
+            outs = out if isinstance(out, (list, tuple)) else [out]
+            got.append([(type(o), o.shape, o.stride(), o.storage_offset(), o.untyped_storage().nbytes(),
+                         torch._C._is_alias_of(o, args[0]), o._is_view(), o._base is None, o.device, o.dtype,
+                         o.requires_grad, str(torch._C._dispatch_keys(o)), o.fake_mode is mode,
+                         sorted(((k, v) for k, v in o.__dict__.items() if k != "fake_mode"), key=str)) for o in outs])
+            args[0].add_(1)  # whose version counter each output shares
+            got.append([(o._version, args[0]._version) for o in outs])
     return got
 
 
-def test_an_unsafe_view_has_what_torch_gives_it() -> None:
-    """The storage, offset, strides, version counter and state of ``_unsafe_view``'s output, and the errors of
-    inputs it cannot view, are torch's own."""
-    assert _unsafe_views(True) == _unsafe_views(False)
+def test_a_view_shortcut_gives_what_torch_gives() -> None:
+    """The storage, offset, strides, version counter and state of each output, and the errors of inputs the
+    shortcuts leave to torch, are torch's own."""
+    assert _views(True) == _views(False)
 
 
 def test_a_cache_hit_output_has_the_state_torch_gives_a_fake_tensor() -> None:

@@ -44,15 +44,16 @@ class Shortcuts:
 
     ``foreach``: the optimizers' elementwise ``_foreach_*`` ops; ``batch_norm``: cuDNN batch norm's
     outputs; ``cache_keys``: cheaper dispatch-cache keys; ``cache_hits``: a cache hit's outputs made without
-    ``FakeTensor.__new__``'s argument checks; ``unsafe_view``: ``_unsafe_view`` of a contiguous tensor (the
-    reshape after every batched matmul, which torch's dispatch cache never holds).
+    ``FakeTensor.__new__``'s argument checks; ``views``: ``_unsafe_view`` of a contiguous tensor (the
+    reshape after every batched matmul) and ``split`` into parts of its storage (fused projections, FSDP's
+    parameters): ops torch's dispatch cache never holds.
     """
 
     foreach: bool = True
     batch_norm: bool = True
     cache_keys: bool = True
     cache_hits: bool = True
-    unsafe_view: bool = True
+    views: bool = True
 
 
 # what FakeTensor.__new__ sets on a new fake tensor of an op's output besides its device and mode (torch 2.14): no
@@ -71,6 +72,7 @@ def _normal(device: torch.device) -> bool:
 
 _CUDNN_BN_BACKWARD = torch.ops.aten.cudnn_batch_norm_backward.default
 _UNSAFE_VIEW = torch.ops.aten._unsafe_view.default
+_SPLITS = frozenset({torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default})
 _BATCH_NORM_OPS = frozenset({torch.ops.aten.cudnn_batch_norm.default, _CUDNN_BN_BACKWARD})
 
 
@@ -102,8 +104,12 @@ class FakeMode(FakeTensorMode):
         rnn = _CUDNN_RNN_KERNELS.get(func)
         if rnn is not None:  # cuDNN's RNN ops: torch has no fake kernel with their sizes (cudnn_rnn.py)
             return rnn(self, args, kwargs)
-        if func is _UNSAFE_VIEW and self.shortcuts.unsafe_view:
+        if func is _UNSAFE_VIEW and self.shortcuts.views:
             out = self._unsafe_view(args, kwargs)
+            if out is not NotImplemented:
+                return out
+        if func in _SPLITS and self.shortcuts.views:
+            out = self._split(func, args, kwargs)
             if out is not NotImplemented:
                 return out
         if func in _BATCH_NORM_OPS and self.shortcuts.batch_norm:
@@ -172,11 +178,37 @@ class FakeMode(FakeTensorMode):
             size = torch._prims_common.infer_size(shape, x.numel())
         except (RuntimeError, ValueError):
             return NotImplemented  # the general path raises torch's own error
-        stride = torch._prims_common.make_contiguous_strides_for(size)
+        return self._on_storage(x, x.storage_offset(), size, torch._prims_common.make_contiguous_strides_for(size))
+
+    def _split(self, func, args, kwargs):
+        """``split(x, size, dim)`` and ``split_with_sizes(x, sizes, dim)`` into parts that are not empty, as torch's
+        fake kernel makes them: each part on ``x``'s storage at its offset, with ``x``'s strides. NotImplemented
+        when unsure (an empty part, sizes that do not add up: torch's own path and its errors)."""
+        x, parts, dim = *args[:2], (args[2] if len(args) > 2 else kwargs.get("dim", 0))
+        if len(args) > 3 or kwargs.keys() - {"dim"} or not _plain_fake(self, x) or not _normal(x.device) \
+                or type(dim) is not int or not -x.dim() <= dim < x.dim():
+            return NotImplemented
+        dim %= x.dim()
+        length = x.shape[dim]
+        if func is torch.ops.aten.split.Tensor:
+            if type(parts) is not int or parts <= 0 or length <= 0:
+                return NotImplemented
+            parts = [parts] * (length // parts) + ([length % parts] if length % parts else [])
+        elif not isinstance(parts, (list, tuple)) or not all(type(n) is int and n > 0 for n in parts) \
+                or sum(parts) != length:
+            return NotImplemented
+        out, start, stride = [], x.storage_offset(), x.stride()
+        for n in parts:
+            out.append(self._on_storage(x, start, (*x.shape[:dim], n, *x.shape[dim + 1:]), stride))
+            start += n * stride[dim]
+        return out
+
+    def _on_storage(self, x: FakeTensor, offset: int, size, stride) -> FakeTensor:
+        """A fake tensor of ``x``'s dtype and device on ``x``'s storage, as a view op's output is made."""
         with torch._C._DisableTorchDispatch():
             empty = torch.empty_strided(size, stride, dtype=x.dtype, device="meta")
         with in_kernel_invocation_manager(self):
-            empty.set_(x.untyped_storage(), x.storage_offset(), size, stride)
+            empty.set_(x.untyped_storage(), offset, size, stride)
         return self._fresh(empty, x.device)
 
     def _new(self, shape, stride, dtype, device) -> FakeTensor:
