@@ -97,7 +97,8 @@ GPT2 = {"source": "transformers", "task": "causal-lm",
     (LLAMA, {"precision": "amp-bf16"}, "_unsafe_view"),
     (LLAMA, {"precision": "fp32", "gradient_checkpointing": "selective"}, "_unsafe_view"),
     (GPT2, {"precision": "amp-bf16"}, "_split"),  # its attention splits the fused projection
-], ids=["llama-amp-bf16", "llama-selective", "gpt2-amp-bf16"])
+    (LLAMA, {"precision": "fp32", "distributed": {"strategy": "fsdp", "world_size": 2}}, "_split"),  # FSDP's shards
+], ids=["llama-amp-bf16", "llama-selective", "gpt2-amp-bf16", "llama-fsdp"])
 def test_view_shortcuts(model, training, shortcut, monkeypatch) -> None:
     """``_unsafe_view`` and ``split`` made without torch's Python kernels: the same step as torch's own path, on
     transformers (every batched matmul's output is reshaped by ``_unsafe_view``)."""
@@ -139,6 +140,8 @@ def _views(fast: bool) -> list:
             (split, (a, 2)), (split, (a, 4, 1)), (split, (a.transpose(0, 1), 4, 1)), (split, (a[1:], 5, -1)),
             (split, (a, 9, 2)), (split, (a, 0)), (split, (torch.empty(0, 3, device="cuda"), 2)),
             (sizes, (a, [1, 3])), (sizes, (a, [2, 0, 4], 1)), (sizes, (a, [2, 3], 1)), (sizes, (a[:, 1], [5, 3], -1)),
+            (split, (torch.empty(512, device="meta"), 128)),
+            (aten._unsafe_view, (torch.empty(6, 4, device="meta"), [24])),
         ]
         for op, args in cases:
             try:

@@ -171,7 +171,7 @@ class FakeMode(FakeTensorMode):
         if kwargs or len(args) != 2:
             return NotImplemented
         x, shape = args
-        if not _plain_fake(self, x) or not _normal(x.device) or not x.is_contiguous() \
+        if not _plain_fake(self, x) or not self._kept(x.device) or not x.is_contiguous() \
                 or not isinstance(shape, (list, tuple)) or not all(type(n) is int and n >= -1 for n in shape):
             return NotImplemented
         try:
@@ -185,7 +185,7 @@ class FakeMode(FakeTensorMode):
         fake kernel makes them: each part on ``x``'s storage at its offset, with ``x``'s strides. NotImplemented
         when unsure (an empty part, sizes that do not add up: torch's own path and its errors)."""
         x, parts, dim = *args[:2], (args[2] if len(args) > 2 else kwargs.get("dim", 0))
-        if len(args) > 3 or kwargs.keys() - {"dim"} or not _plain_fake(self, x) or not _normal(x.device) \
+        if len(args) > 3 or kwargs.keys() - {"dim"} or not _plain_fake(self, x) or not self._kept(x.device) \
                 or type(dim) is not int or not -x.dim() <= dim < x.dim():
             return NotImplemented
         dim %= x.dim()
@@ -202,6 +202,11 @@ class FakeMode(FakeTensorMode):
             out.append(self._on_storage(x, start, (*x.shape[:dim], n, *x.shape[dim + 1:]), stride))
             start += n * stride[dim]
         return out
+
+    def _kept(self, device: torch.device) -> bool:
+        """Whether an output on ``device`` keeps it as it is (``_normal``), or is on the meta device where this
+        mode allows it (FSDP shards a model's meta parameters)."""
+        return _normal(device) or device.type == "meta" and self.allow_meta
 
     def _on_storage(self, x: FakeTensor, offset: int, size, stride) -> FakeTensor:
         """A fake tensor of ``x``'s dtype and device on ``x``'s storage, as a view op's output is made."""
