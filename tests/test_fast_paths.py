@@ -140,12 +140,12 @@ def _views(fast: bool) -> list:
             (split, (a, 2)), (split, (a, 4, 1)), (split, (a.transpose(0, 1), 4, 1)), (split, (a[1:], 5, -1)),
             (split, (a, 9, 2)), (split, (a, 0)), (split, (torch.empty(0, 3, device="cuda"), 2)),
             (sizes, (a, [1, 3])), (sizes, (a, [2, 0, 4], 1)), (sizes, (a, [2, 3], 1)), (sizes, (a[:, 1], [5, 3], -1)),
-            (split, (torch.empty(512, device="meta"), 128)),
+            (split, (torch.empty(512, device="meta"), 128)), (split, (a,), {"split_size": 3, "dim": 1}),
             (aten._unsafe_view, (torch.empty(6, 4, device="meta"), [24])),
         ]
-        for op, args in cases:
+        for op, args, *kwargs in cases:
             try:
-                out = op(*args)
+                out = op(*args, **(kwargs[0] if kwargs else {}))
             except Exception as exc:  # torch's own error, from either path
                 got.append((type(exc).__name__, str(exc)))
                 continue

@@ -184,9 +184,11 @@ class FakeMode(FakeTensorMode):
         """``split(x, size, dim)`` and ``split_with_sizes(x, sizes, dim)`` into parts that are not empty, as torch's
         fake kernel makes them: each part on ``x``'s storage at its offset, with ``x``'s strides. NotImplemented
         when unsure (an empty part, sizes that do not add up: torch's own path and its errors)."""
+        if not 2 <= len(args) <= 3:
+            return NotImplemented  # the parts given by keyword: torch's own path
         x, parts = args[0], args[1]
         dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
-        if len(args) > 3 or kwargs.keys() - {"dim"} or not _plain_fake(self, x) or not self._kept(x.device) \
+        if kwargs.keys() - {"dim"} or not _plain_fake(self, x) or not self._kept(x.device) \
                 or type(dim) is not int or not -x.dim() <= dim < x.dim():
             return NotImplemented
         dim %= x.dim()
