@@ -169,6 +169,7 @@ class _Block:
 class _Allocator:
     def __init__(self, config: AllocatorConfig) -> None:
         self.cfg = config
+        self.expandable = config.expandable_segments
         self.max_split = config.max_split_size if config.max_split_size is not None else 1 << 62
         # per (stream, small or large): (size, addr) of free blocks; CUDACachingAllocator.cpp's BlockPools
         # order blocks by stream first, so a block is only ever found for a request on its own stream
@@ -264,13 +265,13 @@ class _Allocator:
         size = KMIN_BLOCK_SIZE if nbytes < KMIN_BLOCK_SIZE else KMIN_BLOCK_SIZE * (
             (nbytes + KMIN_BLOCK_SIZE - 1) // KMIN_BLOCK_SIZE)  # round_size
         small = size <= KSMALL_SIZE
-        pk = _pool_key(stream, small)
-        if pk not in self.pools:
-            self.pools[pk] = []
-        if self.cfg.expandable_segments:
+        pk = 2 * stream + small  # _pool_key
+        pool = self.pools.get(pk)
+        if pool is None:
+            pool = self.pools[pk] = []
+        if self.expandable:
             return self._malloc_expandable(small, size, pk, soft)
         # _find and _remove in one bisection (the hot path of every replay)
-        pool = self.pools[pk]
         i = bisect.bisect_left(pool, (size, -1))
         block = None
         if i < len(pool):
@@ -294,7 +295,7 @@ class _Allocator:
 
     def _split(self, block: _Block, size: int) -> _Block:
         remaining = block.size - size
-        if block.small or self.cfg.expandable_segments:
+        if block.small or self.expandable:
             split = remaining >= KMIN_BLOCK_SIZE
         else:
             split = size < self.max_split and remaining > KSMALL_SIZE
@@ -308,7 +309,7 @@ class _Allocator:
             block.size = size
             bisect.insort(self.pools[rest.pool], (remaining, rest.addr))  # _insert
             self.blocks[rest.addr] = rest
-            if self.tails.get(block.pool) is block:
+            if self.expandable and self.tails.get(block.pool) is block:
                 self.tails[block.pool] = rest
         block.allocated = True
         self.allocated += block.size
@@ -365,25 +366,28 @@ class _Allocator:
     def free(self, block: _Block) -> None:
         block.allocated = False
         self.allocated -= block.size
-        for nb in (block.prev, block.next):
-            if nb is not None and not nb.allocated:
-                self._remove(nb)
-                if nb is block.prev:
-                    nb.size += block.size
-                    nb.next = block.next
-                    if block.next is not None:
-                        block.next.prev = nb
-                    if self.tails.get(block.pool) is block:
-                        self.tails[block.pool] = nb
-                    block = nb
-                else:
-                    block.size += nb.size
-                    block.next = nb.next
-                    if nb.next is not None:
-                        nb.next.prev = block
-                    if self.tails.get(block.pool) is nb:
-                        self.tails[block.pool] = block
-        self._insert(block)
+        expandable = self.expandable
+        nb = block.prev
+        if nb is not None and not nb.allocated:  # merge into the free block before it
+            self._remove(nb)
+            nb.size += block.size
+            nb.next = block.next
+            if block.next is not None:
+                block.next.prev = nb
+            if expandable and self.tails.get(block.pool) is block:
+                self.tails[block.pool] = nb
+            block = nb
+        nb = block.next
+        if nb is not None and not nb.allocated:  # merge the free block after it in
+            self._remove(nb)
+            block.size += nb.size
+            block.next = nb.next
+            if nb.next is not None:
+                nb.next.prev = block
+            if expandable and self.tails.get(block.pool) is nb:
+                self.tails[block.pool] = block
+        bisect.insort(self.pools[block.pool], (block.size, block.addr))  # _insert
+        self.blocks[block.addr] = block
 
 
 def replay(events: Sequence[Event], config: AllocatorConfig, timelines: bool = True, *,
