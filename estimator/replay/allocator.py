@@ -363,29 +363,27 @@ class _Allocator:
                 if hi > lo:
                     self.reserved -= (hi - lo) * EXPANDABLE_PAGE
 
+    def _merge(self, left: _Block, right: _Block) -> None:
+        """``right`` into ``left``, its neighbour before it in the segment (both free, neither in a pool)."""
+        left.size += right.size
+        left.next = right.next
+        if right.next is not None:
+            right.next.prev = left
+        if self.expandable and self.tails.get(right.pool) is right:
+            self.tails[right.pool] = left
+
     def free(self, block: _Block) -> None:
         block.allocated = False
         self.allocated -= block.size
-        expandable = self.expandable
-        nb = block.prev
-        if nb is not None and not nb.allocated:  # merge into the free block before it
-            self._remove(nb)
-            nb.size += block.size
-            nb.next = block.next
-            if block.next is not None:
-                block.next.prev = nb
-            if expandable and self.tails.get(block.pool) is block:
-                self.tails[block.pool] = nb
-            block = nb
-        nb = block.next
-        if nb is not None and not nb.allocated:  # merge the free block after it in
-            self._remove(nb)
-            block.size += nb.size
-            block.next = nb.next
-            if nb.next is not None:
-                nb.next.prev = block
-            if expandable and self.tails.get(block.pool) is nb:
-                self.tails[block.pool] = block
+        prev = block.prev
+        if prev is not None and not prev.allocated:  # into the free block before it
+            self._remove(prev)
+            self._merge(prev, block)
+            block = prev
+        after = block.next
+        if after is not None and not after.allocated:  # the free block after it, into it
+            self._remove(after)
+            self._merge(block, after)
         bisect.insort(self.pools[block.pool], (block.size, block.addr))  # _insert
         self.blocks[block.addr] = block
 
