@@ -38,7 +38,7 @@ class SeqLenSearch:
     def fits(self, seq: int, card: GPU) -> bool:
         if seq not in self._steps:
             self._steps[seq] = Steps(self.source_for({"input.seq_len": seq}), self.reserve_bytes)
-        return self._steps[seq].report(self.batch, card).fits
+        return self._steps[seq].fits(self.batch, card)
 
     def max_seq_len(self, card: GPU) -> int | None:
         return max_fitting(lambda seq: self.fits(seq, card), self.limit)

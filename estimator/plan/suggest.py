@@ -131,7 +131,7 @@ class Suggester:
         if steps is None:
             return False
         try:
-            return steps.report(self.start, headroom_card(card, steps.reserve_bytes, self.options.headroom)).fits
+            return steps.fits(self.start, headroom_card(card, steps.reserve_bytes, self.options.headroom))
         except SpecError:
             self._refused.add(_key(lever))
             return False  # not applicable to this model (no blocks to checkpoint)
@@ -147,7 +147,7 @@ class Suggester:
         batch does not fit, the max is the smallest without a search: the search's affine fit would simulate one
         batch further only to find the same (a fit through ``start`` is rejected where the step takes other paths
         there, as a model with LoRA's adapters does)."""
-        if steps.can_confirm and steps.report(self.start, card).fits and not steps.report(self.start + 1, card).fits:
+        if steps.can_confirm and steps.fits(self.start, card) and not steps.fits(self.start + 1, card):
             best: int | None = self.start
         else:
             (best, _), = max_batches(steps, [card], self.start, self.options.confirm, Notes())

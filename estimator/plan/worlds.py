@@ -58,7 +58,8 @@ class Worlds:
     def fits(self, world_size: int, card: GPU, batch: int, headroom: float | None = None) -> bool:
         """``batch`` fits ``card`` over ``world_size`` ranks; with ``headroom``, within it (a batch is
         recommended there)."""
-        return self._report(world_size, card, batch, headroom).fits
+        steps = self.steps(world_size)
+        return steps.fits(batch, card if headroom is None else headroom_card(card, steps.reserve_bytes, headroom))
 
     def _report(self, world_size: int, card: GPU, batch: int, headroom: float | None) -> MemoryReport:
         steps = self.steps(world_size)
