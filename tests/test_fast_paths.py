@@ -137,6 +137,11 @@ def _views(fast: bool) -> list:
             (aten._unsafe_view, (a, (2, -1, 8))), (aten._unsafe_view, (a, [5, 8])),
             (aten._unsafe_view, (a.transpose(0, 1), [24, 8])), (aten._unsafe_view, (torch.empty(3), [3])),
             (aten._unsafe_view, (torch.empty(0, 5, device="cuda"), [0, -1, 5])),
+            # contiguous, but not with contiguous strides: torch keeps the stride of a dimension it leaves alone
+            (aten._unsafe_view, (torch.empty(6, 1, device="cuda").t(), [1, 6])),
+            (aten._unsafe_view, (torch.empty(6, 1, device="cuda").t(), [1, 2, 3])),
+            (aten._unsafe_view, (torch.empty(2, 3, 1, device="cuda").transpose(1, 2), [2, 1, 3])),
+            (aten._unsafe_view, (aten._neg_view(a), [24, 8])), (split, (aten._neg_view(a), 3, 2)),
             (split, (a, 2)), (split, (a, 4, 1)), (split, (a.transpose(0, 1), 4, 1)), (split, (a[1:], 5, -1)),
             (split, (a, 9, 2)), (split, (a, 0)), (split, (torch.empty(0, 3, device="cuda"), 2)),
             (sizes, (a, [1, 3])), (sizes, (a, [2, 0, 4], 1)), (sizes, (a, [2, 3], 1)), (sizes, (a[:, 1], [5, 3], -1)),

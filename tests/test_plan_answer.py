@@ -61,6 +61,19 @@ def test_the_answer_from_a_fake_source_is_the_hand_derived_one() -> None:
     assert response.provenance.simulations == len(set(source.simulated)) == 3  # batches 1, 2 and the check at 11
 
 
+def test_a_fit_is_the_reports_without_the_replay_without_a_capacity() -> None:
+    """``Steps.fits`` answers as ``report(...).fits`` does, from the replay with the card's capacity alone: a step
+    that does not fit is not replayed again without one (what a report says it would need)."""
+    from estimator.plan.steps import Steps
+
+    quick, full = Steps(FakeSource()), Steps(FakeSource())
+    batches = range(1, 13)
+    assert [quick.fits(b, CARD) for b in batches] == [full.report(b, CARD).fits for b in batches] == \
+        [b <= 10 for b in batches]
+    assert len(quick.replays._unlimited) == 10  # those that fit stand for their own replay without a capacity
+    assert len(full.replays._unlimited) == 12  # the reports of batches 11 and 12 replayed theirs too
+
+
 def test_a_card_that_does_not_fit_batch_one_is_named_with_its_batch() -> None:
     small = custom_gpu("tiny-card", (64 + 16 + 500) * MIB, "8.0", context_bytes=500 * MIB)
     response = answer(FakeSource(), [small], PlanOptions(reserve_bytes=0, confirm=ConfirmMode.NONE,

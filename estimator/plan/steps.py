@@ -152,12 +152,7 @@ class Steps:
         does not fit also replays it without one (what it would need), which a search that asks only whether
         it fits does without."""
         known = self._reports.get((batch, gpu))
-        if known is not None:
-            return known.fits
-        try:
-            return self.replays.replay(self.trace(batch, gpu), batch, gpu).fits
-        except NotPeriodic:  # a profile's growing trace that cannot be synthesized there: as the report
-            return self.report(batch, gpu).fits
+        return known.fits if known is not None else self.replay(self.trace(batch, gpu), batch, gpu).fits
 
     def simulated(self, gpu: GPU) -> list[int]:
         """The batches whose full step on ``gpu`` is known (simulated, or seeded), ascending."""

@@ -4,11 +4,12 @@ FakeTensorMode never initializes a device here (``torch.cuda.is_available()``
 answers True inside the virtual GPU), bypasses its dispatch cache where a
 cache hit would allocate differently, runs cuDNN's RNN ops with kernels of
 their own (``cudnn_rnn.py``: torch has none that know their sizes), and
-takes four shortcuts past torch's
+takes five shortcuts past torch's
 Python fake kernels that make a fresh simulation about twice as fast: the
 optimizers' elementwise ``_foreach_*`` ops, cuDNN batch norm's outputs,
-cheaper dispatch-cache keys, and a cache hit's outputs made without
-``FakeTensor.__new__``'s argument checks. Each shortcut has a switch (``Shortcuts``);
+cheaper dispatch-cache keys, a cache hit's outputs made without
+``FakeTensor.__new__``'s argument checks, and the views the dispatch cache
+does not hold (``_unsafe_view``, ``split``). Each shortcut has a switch (``Shortcuts``);
 tests/test_fast_paths.py turns each off and compares the traces allocation
 by allocation.
 """
@@ -44,9 +45,10 @@ class Shortcuts:
 
     ``foreach``: the optimizers' elementwise ``_foreach_*`` ops; ``batch_norm``: cuDNN batch norm's
     outputs; ``cache_keys``: cheaper dispatch-cache keys; ``cache_hits``: a cache hit's outputs made without
-    ``FakeTensor.__new__``'s argument checks; ``views``: ``_unsafe_view`` of a contiguous tensor (the
-    reshape after every batched matmul) and ``split`` into parts of its storage (fused projections, FSDP's
-    parameters): ops torch's dispatch cache never holds.
+    ``FakeTensor.__new__``'s argument checks; ``views``: ``_unsafe_view`` of a tensor with contiguous strides
+    (the reshape after every batched matmul) and ``split`` into parts of its storage (fused projections, FSDP's
+    parameters), which the dispatch cache does not hold (torch bypasses it for ``_unsafe_view``; a split's parts
+    share a storage, which ``_make_cache_entry`` refuses).
     """
 
     foreach: bool = True
@@ -171,7 +173,9 @@ class FakeMode(FakeTensorMode):
         if kwargs or len(args) != 2:
             return NotImplemented
         x, shape = args
-        if not _plain_fake(self, x) or not self._kept(x.device) or not x.is_contiguous() \
+        # contiguous strides exactly (not only ``is_contiguous``, which ignores the stride of a dimension of size
+        # 1): torch's reshape helper keeps the input's stride on each dimension it leaves alone
+        if not self._viewable(x) or x.stride() != torch._prims_common.make_contiguous_strides_for(x.shape) \
                 or not isinstance(shape, (list, tuple)) or not all(type(n) is int and n >= -1 for n in shape):
             return NotImplemented
         try:
@@ -188,8 +192,7 @@ class FakeMode(FakeTensorMode):
             return NotImplemented  # the parts given by keyword: torch's own path
         x, parts = args[0], args[1]
         dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
-        if kwargs.keys() - {"dim"} or not _plain_fake(self, x) or not self._kept(x.device) \
-                or type(dim) is not int or not -x.dim() <= dim < x.dim():
+        if kwargs.keys() - {"dim"} or not self._viewable(x) or type(dim) is not int or not -x.dim() <= dim < x.dim():
             return NotImplemented
         dim %= x.dim()
         length = x.shape[dim]
@@ -206,10 +209,12 @@ class FakeMode(FakeTensorMode):
             start += n * stride[dim]
         return out
 
-    def _kept(self, device: torch.device) -> bool:
-        """Whether an output on ``device`` keeps it as it is (``_normal``), or is on the meta device where this
-        mode allows it (FSDP shards a model's meta parameters)."""
-        return _normal(device) or device.type == "meta" and self.allow_meta
+    def _viewable(self, x: Any) -> bool:
+        """Whether the view shortcuts make views of ``x``: a plain fake tensor of this mode without the conjugate
+        or negative bit (its views would carry it), on a device it keeps as it is (``_normal``) or on the meta
+        device where this mode allows it (FSDP shards a model's meta parameters); not in a debug trace."""
+        return (_plain_fake(self, x) and not x.is_conj() and not x.is_neg() and not FakeTensorConfig.debug
+                and (_normal(x.device) or x.device.type == "meta" and self.allow_meta))
 
     def _on_storage(self, x: FakeTensor, offset: int, size, stride) -> FakeTensor:
         """A fake tensor of ``x``'s dtype and device on ``x``'s storage, as a view op's output is made."""
