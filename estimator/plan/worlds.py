@@ -58,14 +58,17 @@ class Worlds:
     def fits(self, world_size: int, card: GPU, batch: int, headroom: float | None = None) -> bool:
         """``batch`` fits ``card`` over ``world_size`` ranks; with ``headroom``, within it (a batch is
         recommended there)."""
-        steps = self.steps(world_size)
-        return steps.fits(batch, card if headroom is None else headroom_card(card, steps.reserve_bytes, headroom))
+        steps, card = self._at(world_size, card, headroom)
+        return steps.fits(batch, card)
 
     def _report(self, world_size: int, card: GPU, batch: int, headroom: float | None) -> MemoryReport:
-        steps = self.steps(world_size)
-        if headroom is not None:
-            card = headroom_card(card, steps.reserve_bytes, headroom)
+        steps, card = self._at(world_size, card, headroom)
         return steps.report(batch, card)
+
+    def _at(self, world_size: int, card: GPU, headroom: float | None) -> tuple[Steps, GPU]:
+        """The steps over ``world_size`` ranks, and ``card`` as they see it (held to ``headroom`` when given)."""
+        steps = self.steps(world_size)
+        return steps, card if headroom is None else headroom_card(card, steps.reserve_bytes, headroom)
 
     def beyond_any_world(self, world_size: int, card: GPU, batch: int, headroom: float | None = None) -> bool:
         """No world larger than ``world_size`` can fit: what the strategy does not shard, live at this world's

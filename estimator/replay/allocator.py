@@ -265,7 +265,7 @@ class _Allocator:
         size = KMIN_BLOCK_SIZE if nbytes < KMIN_BLOCK_SIZE else KMIN_BLOCK_SIZE * (
             (nbytes + KMIN_BLOCK_SIZE - 1) // KMIN_BLOCK_SIZE)  # round_size
         small = size <= KSMALL_SIZE
-        pk = 2 * stream + small  # _pool_key
+        pk = _pool_key(stream, small)
         pool = self.pools.get(pk)
         if pool is None:
             pool = self.pools[pk] = []
@@ -384,8 +384,7 @@ class _Allocator:
         if after is not None and not after.allocated:  # the free block after it, into it
             self._remove(after)
             self._merge(block, after)
-        bisect.insort(self.pools[block.pool], (block.size, block.addr))  # _insert
-        self.blocks[block.addr] = block
+        self._insert(block)
 
 
 def replay(events: Sequence[Event], config: AllocatorConfig, timelines: bool = True, *,
