@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-from estimator.measure.cpu import BATCH, real_cpu_peak
+from estimator.measure.cpu import BATCH, cpu_peak_of, real_cpu_peak
 from estimator.pipeline import estimate_memory
 from estimator.simulate.recipe import Recipe
 from estimator.testing.zoo import ZOO
@@ -37,3 +38,20 @@ def test_cpu_prediction_matches_profiler_pure_bf16(name: str) -> None:
     params = sum(p.numel() for p in mf().parameters())
     # bf16 weights: 2 bytes a parameter (not 4)
     assert sum(a.nbytes for a in report.trace.allocations if a.category == "parameter") == 2 * params
+
+
+def test_memory_from_before_the_run_freed_during_it_does_not_lower_its_peak() -> None:
+    """An earlier measurement's tensor that dies in the middle of this one (as a test's model does when Python's
+    collector reaches it) is not this run's memory, though the profiler knows its size and reports its free:
+    the run's peak is its own two blocks."""
+    mib = 1 << 20
+    held: list[torch.Tensor] = []
+    cpu_peak_of(lambda: held.append(torch.empty(4 * mib, dtype=torch.uint8)))
+
+    def run() -> None:
+        first = torch.empty(mib, dtype=torch.uint8)
+        held.clear()
+        second = torch.empty(mib, dtype=torch.uint8)
+        del first, second
+
+    assert cpu_peak_of(run) == 2 * mib

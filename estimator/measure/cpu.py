@@ -7,6 +7,7 @@ allocator (tests/test_cpu_truth.py, bench/gpu_accuracy.py --cpu-selfcheck).
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from typing import Any
 
@@ -49,6 +50,7 @@ def real_cpu_peak(name: str, recipe: Recipe, batch: int = BATCH,
 def cpu_peak_of(run: Callable[[], None]) -> int:
     """Peak live bytes of the CPU allocator while ``run()`` runs, under torch.profiler (oneDNN off, as in
     ``real_cpu_peak``): what a framework's own training step (Keras's ``train_step``) allocates."""
+    gc.collect()  # an earlier caller's garbage in reference cycles, freed now rather than during the run
     profiling = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
     with torch.backends.mkldnn.flags(enabled=False), profiling as prof:
         run()
@@ -59,10 +61,23 @@ def cpu_peak_of(run: Callable[[], None]) -> int:
     while stack:
         node = stack.pop()
         if node.tag == _EventType.Allocation:
-            allocations.append((node.start_time_ns, node.extra_fields.alloc_size))
+            allocations.append((node.start_time_ns, node.extra_fields.alloc_size, node.extra_fields.ptr))
         stack.extend(node.children)
+    return _peak_of(allocations)
+
+
+def _peak_of(allocations: list[tuple[int, int, int]]) -> int:
+    """The peak of live bytes over (time, size, address) events, a free's size negative. A free counts only
+    where its block was allocated during the run. The profiler reports the free of any block allocated while
+    some profiler ran, so an earlier measurement's memory (a test's model that Python's collector frees in
+    the middle of this run) would otherwise lower this run's peak."""
     live = peak = 0
-    for _, delta in sorted(allocations):
+    sizes: dict[int, int] = {}
+    for _, delta, ptr in sorted(allocations):
+        if delta > 0:
+            sizes[ptr] = delta
+        elif sizes.pop(ptr, None) is None:
+            continue
         live += delta
         peak = max(peak, live)
     return peak
