@@ -3,8 +3,9 @@
 Four shortcuts make a fresh simulation ~2x faster (bench/simulate_speed.py):
 the optimizers' elementwise ``_foreach_*`` ops, cuDNN batch norm's outputs,
 cheaper FakeTensor dispatch-cache keys, and a cache hit's outputs made without
-FakeTensor.__new__'s checks. Each is switched off here and the traces compared
-allocation by allocation.
+FakeTensor.__new__'s checks; then views the dispatch cache does not hold, and
+DTensor's foreach strategies memoized per element under FSDP. Each is switched
+off here and the traces compared allocation by allocation.
 """
 
 from __future__ import annotations
@@ -168,6 +169,53 @@ def test_a_view_shortcut_gives_what_torch_gives() -> None:
     """The storage, offset, strides, version counter and state of each output, and the errors of inputs the
     shortcuts leave to torch, are torch's own."""
     assert _views(True) == _views(False)
+
+
+@pytest.mark.parametrize("training", [
+    {"precision": "fp32", "distributed": {"strategy": "fsdp", "world_size": 2}},
+    {"precision": "fp32", "optimizer": {"name": "adamw", "weight_decay": 0.1},
+     "distributed": {"strategy": "fsdp", "world_size": 4, "fsdp": {"param_dtype": "bf16"}}},
+], ids=["fsdp-adam", "fsdp-adamw-bf16-params"])
+def test_foreach_sharding_shortcut(training, monkeypatch) -> None:
+    """DTensor's foreach strategies expanded once per distinct element: each op's strategy is the one torch's own
+    expansion gives (compared on every foreach op of the step), the repeated layers' elements come from the memo,
+    and the FSDP step records what it records without the memo."""
+    from torch.distributed.tensor import debug
+
+    from estimator.pipeline import job_of
+    from estimator.simulate.distributed import foreach_sharding
+
+    request = parse_request({"model": LLAMA, "input": {"seq_len": 32}, "training": training})
+    job, b = job_of(request), build_request(request)
+
+    def record(shortcuts: Shortcuts | None = None):
+        foreach_sharding._MEMO.clear()
+        debug._clear_sharding_prop_cache()  # torch's caches of whole ops (Python's, C++'s): every op worked out
+        debug._clear_fast_path_sharding_prop_cache()
+        return record_training(b.factory, b.batch_factory, b.loss_fn, 2, job.recipe, A100, shortcuts=shortcuts)
+
+    memoized, ops, keys = foreach_sharding.memoized, [0], []
+
+    def compared(expand):
+        ours = memoized(expand)
+
+        def both(mesh, schema, info, meta):
+            mine, torchs = ours(mesh, schema, info, meta), expand(mesh, schema, info, meta)
+
+            def strategy(op, args, kwargs):
+                got = mine(op, args, kwargs)
+                assert got == torchs(op, args, kwargs)  # every element's input and output specs
+                ops[0] += 1
+                return got
+            return strategy
+        return both
+
+    key = foreach_sharding._key
+    monkeypatch.setattr(foreach_sharding, "memoized", compared)
+    monkeypatch.setattr(foreach_sharding, "_key", lambda *a: keys.append(key(*a)) or keys[-1])
+    fast = record()
+    assert ops[0] >= 3 and None not in keys and len(set(keys)) < len(keys) / 2, (ops, len(set(keys)), len(keys))
+    _same(fast, record(Shortcuts(foreach_sharding=False)))
 
 
 def test_a_cache_hit_output_has_the_state_torch_gives_a_fake_tensor() -> None:

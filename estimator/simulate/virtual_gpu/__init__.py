@@ -264,6 +264,13 @@ class VirtualGPU:
 
                 name = "_propagate_tensor_meta_non_cached"
                 p.set(ShardingPropagator, name, self._muting(getattr(ShardingPropagator, name)))
+                if self.shortcuts.foreach_sharding:
+                    import torch.distributed.tensor._sharding_prop as sharding
+
+                    from estimator.simulate.distributed.foreach_sharding import memoized
+
+                    name = "_expand_single_dim_strategy_to_mesh"
+                    p.set(sharding, name, memoized(getattr(sharding, name)))
                 import torch.distributed.fsdp._fully_shard._fully_shard as fsdp
 
                 name = "_get_post_forward_mesh_info"

@@ -48,7 +48,8 @@ class Shortcuts:
     ``FakeTensor.__new__``'s argument checks; ``views``: ``_unsafe_view`` of a tensor with contiguous strides
     (the reshape after every batched matmul) and ``split`` into parts of its storage (fused projections, FSDP's
     parameters), which the dispatch cache does not hold (torch bypasses it for ``_unsafe_view``; a split's parts
-    share a storage, which ``_make_cache_entry`` refuses).
+    share a storage, which ``_make_cache_entry`` refuses). ``foreach_sharding``: DTensor's sharding of a foreach
+    op worked out once per distinct element (estimator/simulate/distributed/foreach_sharding.py).
     """
 
     foreach: bool = True
@@ -56,6 +57,7 @@ class Shortcuts:
     cache_keys: bool = True
     cache_hits: bool = True
     views: bool = True
+    foreach_sharding: bool = True
 
 
 # what FakeTensor.__new__ sets on a new fake tensor of an op's output besides its device and mode (torch 2.14): no
