@@ -274,3 +274,42 @@ def test_beside_a_recommendation_probe_the_multiple_of_8_it_would_take_is_guesse
     result = answer(source, [card], PlanOptions(reserve_bytes=0)).results[0]
     assert (result.max_batch_size, result.recommended_batch_size) == (20, 16)
     assert (16, 17) in source.guesses and 16 in source.simulated
+
+
+def test_the_recommendations_replays_run_while_the_top_check_simulates(monkeypatch) -> None:
+    """On several cards the top check simulates beside the replays: the replays each card's recommendation
+    searches by (its headroom's capacity) run before the check is collected, none again after it, and the
+    answer and the replays run are those of the order without it."""
+    import estimator.plan.replays as replays
+    from estimator.plan import strategy
+    from estimator.plan.results import to_json
+    from estimator.plan.steps import Steps
+
+    cards = [CARD, custom_gpu("wider", (64 + 32 * 20) * MIB, "8.0", context_bytes=0),
+             custom_gpu("widest", (64 + 32 * 37) * MIB, "8.0", context_bytes=0)]
+    run: list[tuple[str, int | None]] = []  # replays run (by capacity) and the check, in order
+    replay_sized, check = replays.replay_sized, Steps.check
+
+    def counted(events, sizes, categories, config, **kw):
+        run.append(("replay", config.capacity))
+        return replay_sized(events, sizes, categories, config, **kw)
+
+    def checked(self, *args):
+        run.append(("check", None))
+        return check(self, *args)
+
+    monkeypatch.setattr(replays, "replay_sized", counted)
+    monkeypatch.setattr(Steps, "check", checked)
+    fast = answer(FakeSource(), cards, PlanOptions(reserve_bytes=0))
+    ahead = list(run)
+    run.clear()
+    monkeypatch.setattr(strategy, "_while_checking", lambda *args: None)
+    plain = answer(FakeSource(), cards, PlanOptions(reserve_bytes=0))
+    after_check = ahead[ahead.index(("check", None)):]
+    capacities = {c.usable_bytes(0) for c in cards}
+    assert [r.recommended_batch_size for r in fast.results] == [r.recommended_batch_size for r in plain.results] \
+        == [8, 16, 32]
+    assert {**to_json(fast), "provenance": None} == {**to_json(plain), "provenance": None}
+    assert sorted(ahead, key=str) == sorted(run, key=str)  # the same replays, in another order
+    headroom = [cap for what, cap in ahead if what == "replay" and cap is not None and cap not in capacities]
+    assert headroom and not [cap for what, cap in after_check if what == "replay" and cap in headroom]

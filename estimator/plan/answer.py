@@ -98,7 +98,8 @@ def answer_at(steps: Steps, cards: list[GPU], options: PlanOptions, start: int, 
     results: list[GPUResult] = []
     shown: MemoryReport | None = None
     gap = 2  # the headroom searches', as in the max's replay searches
-    for card, (best, how) in zip(cards, max_batches(steps, cards, start, options.confirm, notes), strict=True):
+    found = max_batches(steps, cards, start, options.confirm, notes, options.headroom, options.align)
+    for card, (best, how) in zip(cards, found, strict=True):
         report = steps.report(batch_size or best or start, card, exact=False)
         if batch_size is not None and not report.fits:
             notes.add(WarningCode.BATCH_SIZE_DOES_NOT_FIT, f"batch_size {batch_size} does not fit on {card.name}",
