@@ -29,7 +29,7 @@ from estimator.plan.notes import Notes
 from estimator.plan.results import EstimateResponse, GPUResult, Provenance, WarningCode
 from estimator.plan.schedule import batch_schedule
 from estimator.plan.steps import CHECK_OFFSET, Steps, StepSource
-from estimator.plan.strategy import max_batches, recommend
+from estimator.plan.strategy import Recommending, max_batches, recommend
 from estimator.replay.report import MemoryReport
 
 # request changes (dotted paths -> values) -> the steps of that job
@@ -98,7 +98,7 @@ def answer_at(steps: Steps, cards: list[GPU], options: PlanOptions, start: int, 
     results: list[GPUResult] = []
     shown: MemoryReport | None = None
     gap = 2  # the headroom searches', as in the max's replay searches
-    found = max_batches(steps, cards, start, options.confirm, notes, options.headroom, options.align)
+    found = max_batches(steps, cards, start, options.confirm, notes, Recommending(options.headroom, options.align))
     for card, (best, how) in zip(cards, found, strict=True):
         report = steps.report(batch_size or best or start, card, exact=False)
         if batch_size is not None and not report.fits:

@@ -25,11 +25,20 @@ from estimator.replay.report import MemoryReport
 Answer = tuple[int | None, Search]
 
 
+@dataclasses.dataclass(frozen=True)
+class Recommending:
+    """How the recommendations will be searched (``recommend``'s headroom and alignment): what the replays run
+    ahead of them need."""
+
+    headroom: float
+    align: bool = True
+
+
 def max_batches(steps: Steps, cards: list[GPU], start: int, confirm: ConfirmMode,
-                notes: Notes, headroom: float | None = None, align: bool = True) -> list[Answer]:
+                notes: Notes, ahead: Recommending | None = None) -> list[Answer]:
     """(max batch, how it was found) per card; cards whose steps share a trace are searched together. With
-    ``headroom`` (and ``align``, as ``recommend`` takes them), the replays the recommendations will ask for run
-    while the top check simulates (``_while_checking``)."""
+    ``ahead``, the replays the recommendations will ask for run while the top check simulates
+    (``_while_checking``)."""
     answers: list[Answer | None] = [None] * len(cards)
     groups: dict[Hashable, list[int]] = {}
     for i, card in enumerate(cards):
@@ -38,14 +47,14 @@ def max_batches(steps: Steps, cards: list[GPU], start: int, confirm: ConfirmMode
         else:
             groups.setdefault(steps.signature(card), []).append(i)
     for members in groups.values():
-        found = _search_group(steps, [cards[i] for i in members], start, confirm, notes, headroom, align)
+        found = _search_group(steps, [cards[i] for i in members], start, confirm, notes, ahead)
         for i, answer in zip(members, found, strict=True):
             answers[i] = answer
     return [a for a in answers if a is not None]
 
 
 def _search_group(steps: Steps, cards: list[GPU], start: int, confirm: ConfirmMode,
-                  notes: Notes, headroom: float | None = None, align: bool = True) -> list[Answer]:
+                  notes: Notes, ahead: Recommending | None = None) -> list[Answer]:
     """Replays of one affine trace for every card of a group, confirmed as ``confirm`` says.
 
     TOP: one full simulation just past the group's largest max must record
@@ -68,18 +77,18 @@ def _search_group(steps: Steps, cards: list[GPU], start: int, confirm: ConfirmMo
         return [(best, Search(method)) for best in bests]
     checked: list[int] = []
     for profile in steps.candidates(start, first):
-        ahead = None
+        beside = None  # the batch simulated beside the replays
         try:
             if len(cards) > 1:  # the check at the widest card's max + 1, simulated beside the other cards' replays
                 widest = max(cards, key=lambda c: c.usable_bytes(steps.reserve_bytes))
-                ahead = min(replay_search(steps, profile, widest, start)[0] + 1, MAX_BATCH)
-                steps.prefetch(ahead, first)
+                beside = min(replay_search(steps, profile, widest, start)[0] + 1, MAX_BATCH)
+                steps.prefetch(beside, first)
             bests = _replay_searches(steps, profile, cards, start)
         except NotPeriodic:  # a growing trace's live bound past what it synthesizes: full simulations
             continue
         top = min(max(bests) + 1, MAX_BATCH)
-        if headroom is not None and top == ahead:
-            _while_checking(steps, profile, cards, start, bests, headroom, align)
+        if ahead is not None and top == beside:
+            _while_checking(steps, profile, cards, start, bests, ahead)
         if steps.check(profile, top, first):
             return [(best, Search(SearchMethod.AFFINE_CHECKED, top)) for best in bests]
         checked.append(top)
@@ -93,7 +102,7 @@ def _search_group(steps: Steps, cards: list[GPU], start: int, confirm: ConfirmMo
 
 
 def _while_checking(steps: Steps, profile: Fitted, cards: list[GPU], start: int, bests: list[int],
-                    headroom: float, align: bool) -> None:
+                    ahead: Recommending) -> None:
     """The replays of ``profile`` that each card's recommendation (``recommend``) searches by, run while the top
     check simulates in a child: cached, they answer ``recommend`` at once once the check holds (the same
     replays, so the same answers; wasted where it does not). Only replays: nothing here may simulate."""
@@ -101,13 +110,13 @@ def _while_checking(steps: Steps, profile: Fitted, cards: list[GPU], start: int,
         return  # recommend searches otherwise
     gap = 2
     for card, best in zip(cards, bests, strict=True):
-        shrunk = headroom_card(card, steps.reserve_bytes, headroom)
+        shrunk = headroom_card(card, steps.reserve_bytes, ahead.headroom)
         # recommend's first question, of the full step at ``start`` (simulated: a report of it simulates nothing)
         if start not in steps.simulated(shrunk) or not steps.report(start, shrunk, exact=False).fits:
             continue
         room, gap = replay_search(steps, profile, shrunk, start, gap)
         room = min(room, best)
-        aligned = recommended(room, align)
+        aligned = recommended(room, ahead.align)
         if aligned is not None and aligned != room:  # the multiple of 8 it asks about first
             steps.replay(profile, aligned, shrunk)
 
