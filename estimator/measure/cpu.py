@@ -72,11 +72,13 @@ def _peak_of(allocations: list[tuple[int, int, int]]) -> int:
     some profiler ran, so an earlier measurement's memory (a test's model that Python's collector frees in
     the middle of this run) would otherwise lower this run's peak."""
     live = peak = 0
-    sizes: dict[int, int] = {}
+    blocks: set[int] = set()  # the addresses of the run's own live blocks
     for _, delta, ptr in sorted(allocations):
         if delta > 0:
-            sizes[ptr] = delta
-        elif sizes.pop(ptr, None) is None:
+            blocks.add(ptr)
+        elif ptr in blocks:
+            blocks.remove(ptr)
+        else:
             continue
         live += delta
         peak = max(peak, live)

@@ -25,6 +25,12 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 from typing import Any
 
+# imported where a distributed simulation starts (VirtualGPU): torch's DTensor is loaded by then
+from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, TupleStrategy
+from torch.distributed.tensor._ops.single_dim_strategy import _resolve_foreach_elementwise_overload
+from torch.distributed.tensor.placement_types import _StridedShard
+from torch.utils._pytree import tree_leaves, tree_map_only
+
 # (foreach op, per-element schema, output meta, mesh) -> the element's strategy; cleared when it grows past the bound
 _MEMO: dict[Hashable, Any] = {}
 MAX_ENTRIES = 65536
@@ -34,8 +40,6 @@ _FOREACH = ("aten::_foreach_", "aten::_amp_foreach_", "aten::_fused_")
 def memoized(expand: Callable[..., Any]) -> Callable[..., Any]:
     """``_expand_single_dim_strategy_to_mesh`` (torch's, passed as ``expand``) whose foreach strategies expand
     each distinct element once."""
-    from torch.distributed.tensor._op_schema import TupleStrategy
-
     def expand_memoized(mesh: Any, op_schema: Any, strategy_info: Any, output_tensor_meta: Any) -> Any:
         lists = [arg for arg in op_schema.args_schema if isinstance(arg, TupleStrategy)]
         if not lists or not op_schema.op.name().startswith(_FOREACH) or len({len(t.children) for t in lists}) > 1:
@@ -65,10 +69,6 @@ def memoized(expand: Callable[..., Any]) -> Callable[..., Any]:
 def _element(op_schema: Any, output_tensor_meta: Any, index: int) -> tuple[Any, Any]:
     """The schema and output meta of element ``index`` of a foreach op, as torch's ``_translate_list_op_schema``
     makes them (torch 2.14, single_dim_strategy.py)."""
-    from torch.distributed.tensor._op_schema import OpSchema, TupleStrategy
-    from torch.distributed.tensor._ops.single_dim_strategy import _resolve_foreach_elementwise_overload
-    from torch.utils._pytree import tree_map_only
-
     args, kwargs = tree_map_only(TupleStrategy, lambda x: x.children[index],
                                  (op_schema.args_schema, op_schema.kwargs_schema),
                                  is_leaf=lambda x: isinstance(x, TupleStrategy))
@@ -80,10 +80,6 @@ def _element(op_schema: Any, output_tensor_meta: Any, index: int) -> tuple[Any, 
 def _key(op: Any, schema: Any, meta: Any, mesh: Any) -> Hashable | None:
     """The memo's key of an element, None where it is not kept: an input placed as a ``_StridedShard`` (its
     strategy's outputs get a flag set after it is made) or a schema that does not hash (symbolic sizes)."""
-    from torch.distributed.tensor._op_schema import OpStrategy
-    from torch.distributed.tensor.placement_types import _StridedShard
-    from torch.utils._pytree import tree_leaves
-
     for arg in tree_leaves((schema.args_schema, schema.kwargs_schema)):
         if isinstance(arg, OpStrategy) and any(isinstance(p, _StridedShard) for s in arg.strategies
                                                for p in s.output_spec.placements):
