@@ -118,7 +118,7 @@ def test_view_shortcuts(model, training, shortcut, monkeypatch) -> None:
     request = parse_request({"model": model, "input": {"seq_len": 32}, "training": training})
     job, b = job_of(request), build_request(request)
     fast = record_training(b.factory, b.batch_factory, b.loss_fn, 2, job.recipe, A100)
-    assert taken[0] >= 4  # at least once per layer and iteration
+    assert taken[0] >= 2  # at least once per layer (the second iteration's forward is written: iterations.py)
     _same(fast, record_training(b.factory, b.batch_factory, b.loss_fn, 2, job.recipe, A100,
                                 shortcuts=Shortcuts(views=False)))
 

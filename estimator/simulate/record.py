@@ -39,8 +39,9 @@ from estimator.simulate.distributed import (
     process_group,
     shard,
 )
+from estimator.simulate.iterations import Kept, Repeat, tried
 from estimator.simulate.recipe import Recipe
-from estimator.simulate.step import StepHooks, cast_model, prepare, run_steps
+from estimator.simulate.step import StepHooks, Training, cast_model, prepare, run_steps
 from estimator.simulate.virtual_gpu import Shortcuts, VirtualGPU
 from estimator.simulate.virtual_gpu.bnb import ASSUMPTION as BNB_ASSUMPTION
 from estimator.simulate.virtual_gpu.bnb import flops as bnb_flops
@@ -87,7 +88,7 @@ class Recorder:
 
     def __init__(self, device_type: str, workspace_bytes: int, convs: ConvWorkspaces | CpuConvColumns | None = None,
                  *, streams: Streams, every_micro_step: bool = False,
-                 capability: tuple[int, int] | None = None) -> None:
+                 capability: tuple[int, int] | None = None, repeat: bool = False) -> None:
         self.device_type = device_type
         self.capability = capability  # the card's: which path bitsandbytes' CUDA kernels take (None: the CPU)
         self.rnn_calls = 0  # cuDNN RNN calls (_cudnn_rnn and its backward): what they allocate inside is recorded
@@ -114,6 +115,10 @@ class Recorder:
         self.streams = streams  # the virtual GPU's: which stream each allocation is made on
         self.key_category: dict[int, str] = {}  # storages whose every allocation has a category (mark_storages)
         self.last_aid: dict[int, int] = {}  # a resized storage's latest allocation
+        # later iterations' micro-steps written from the first's (estimator/simulate/iterations.py), where allowed
+        self.repeat = Repeat() if repeat else None
+        self.moved: dict[int, int] = {}  # a storage's first allocation -> its allocation in the latest iteration
+        self.refilled: dict[int, int] = {}  # a storage's first allocation -> the storage, once resized in place
 
     # --- the Observer protocol (estimator.simulate.virtual_gpu)
     def attach(self, engine: Engine) -> None:
@@ -139,6 +144,8 @@ class Recorder:
         the caching allocator frees and mallocs for ``resize_`` too)."""
         key = storage._cdata
         aid = self.live.pop(key, None)
+        if aid is not None and key not in self.last_aid:
+            self.refilled[aid] = key  # made by its op, refilled by ``resize_`` from now on
         if aid is not None:
             self.trace.events.append((False, aid))
             self.live_bytes -= self.trace.allocations[aid].nbytes
@@ -230,6 +237,8 @@ class Recorder:
         """The loop enters ``phase`` of ``iteration``: what the next allocations are made in."""
         self.phase = phase
         self.iteration = iteration
+        if iteration == 0 and self.repeat is not None:
+            self.repeat.mark(phase, len(self.trace.events), len(self.trace.allocations))
 
     def track_gradients(self, params: list[torch.nn.Parameter]) -> None:
         """From now on, the ``.grad`` of ``params`` is a gradient whenever a backward ends."""
@@ -278,6 +287,7 @@ class Recorder:
     def _free(self, key: int, aid: int) -> None:
         if self.closed:
             return  # storages that outlive the step (the model's, freed when the caller drops it): not part of it
+        aid = self.moved.get(aid, aid)  # a storage the loop kept across iterations (iterations.py)
         if key in self.last_aid:  # resized in place since: its latest allocation, if not resized to 0
             aid = self.live.pop(key, -1)
             del self.last_aid[key]
@@ -307,6 +317,10 @@ class Recorder:
                 aid = self.live.get(t.untyped_storage()._cdata)
                 if aid is not None:
                     self.trace.allocations[aid].category = category
+
+    def repeats_first(self, iteration: int, kept: Kept) -> bool:
+        """Whether ``iteration``'s zero_grad..backward were written from the first iteration's (``Repeat``)."""
+        return self.repeat is not None and self.repeat.copy(self, iteration, kept)
 
     def micro_step(self, iteration: int, micro: int) -> bool:
         """Micro-step ``micro`` starts: False once the last two repeat (it and the rest would too)."""
@@ -401,6 +415,12 @@ class SimulationHooks(StepHooks):
 
     def micro_step(self, iteration: int, micro: int) -> bool:
         return self.recorder.micro_step(iteration, micro)
+
+    def repeats_first(self, iteration: int, training: Training, batch: Any) -> bool:
+        grads = [p.grad for p in training.params if p.grad is not None]
+        scaler = training.scaler
+        once = [] if scaler is None else [t for t in (scaler._scale, scaler._growth_tracker) if t is not None]
+        return self.recorder.repeats_first(iteration, Kept(grads, tree_leaves(batch), once))
 
     def call(self, phase: Phase, fn: Callable[[], T]) -> T:
         return _call(phase, fn, self.recorder)
@@ -502,6 +522,7 @@ def record_training(
     worst_case: bool = False,
     shortcuts: Shortcuts | None = None,
     every_micro_step: bool = False,
+    every_iteration: bool = False,
     routing: str = "balanced",
     notes: Sequence[str] = (),
     step_fn: StepFn | None = None,
@@ -511,7 +532,9 @@ def record_training(
     """Simulate ``recipe.iterations`` training steps (``estimator.simulate.step``) and return the event trace.
 
     Accumulation micro-steps stop being simulated once they repeat (``estimator.simulate.accumulation``);
-    ``every_micro_step`` simulates them all, the trace that repetition stands for (slow: for tests).
+    ``every_micro_step`` simulates them all, the trace that repetition stands for (slow: for tests). Later
+    iterations' forward and backward are written from the first's where it shows they would record the same
+    (``estimator.simulate.iterations``); ``every_iteration`` simulates them (for tests).
     ``routing``: tokens per expert in an eager experts loop (``model.moe_routing``); ``notes``: assumption
     lines the caller adds to the trace's own. ``step_fn``, ``optimizer_fn``, ``on_device``: a step the user
     wrote (``estimator.models.user``).
@@ -528,15 +551,16 @@ def record_training(
     convs = ConvWorkspaces(gpu.capability, recipe.cudnn_benchmark) if gpu is not None else None
     columns = CpuConvColumns() if gpu is None else None  # the CPU target's slow kernels' im2col buffers
     streams = Streams()  # the virtual GPU's streams, which the recorder reads
+    d = recipe.distributed
+    repeat = not every_iteration and step_fn is None and tried(recipe)
     recorder = Recorder("cuda" if gpu is not None else "cpu", gpu.cublas_workspace_bytes if gpu is not None else 0,
                         convs or columns, streams=streams, every_micro_step=every_micro_step,
-                        capability=gpu.capability if gpu is not None else None)
+                        capability=gpu.capability if gpu is not None else None, repeat=repeat)
     vgpu = VirtualGPU(gpu, observer=recorder, worst_case=WorstCase(recorder.module) if worst_case else None,
                       subclass_like=subclass_like, cpp_engine=cpp_engine, shortcuts=shortcuts,
                       distributed=recipe.distributed.active, routing=routing, streams=streams)
     setup = [WORST_CASE_ASSUMPTION] if worst_case else []  # what the set-up says of the step
     unsupported: list[str] = []
-    d = recipe.distributed
     with contextlib.ExitStack() as stack:
         mesh = None
         if d.active:

@@ -53,6 +53,12 @@ class StepHooks:
         (``estimator.simulate.accumulation``)."""
         return True
 
+    def repeats_first(self, iteration: int, training: Training, batch: Any) -> bool:
+        """Whether ``iteration`` (after the first) skips zero_grad and its micro-steps, the watcher having
+        written them from the first iteration's (``estimator.simulate.iterations``); ``batch``: the one the loop
+        holds. A real run runs them."""
+        return False
+
     def call(self, phase: Phase, fn: Callable[[], T]) -> T:
         """Run one part of the step (input, forward, loss, backward, optimizer)."""
         return fn()
@@ -156,10 +162,11 @@ def run_steps(training: Training, batch_factory: BatchFactory, loss_fn: LossFn |
     accumulation = recipe.grad_accumulation_steps
     batch = None
     for it in range(recipe.iterations):
-        if recipe.zero_grad_at == "step-start":
+        written = it > 0 and hooks.repeats_first(it, training, batch)  # then none of its micro-steps runs
+        if recipe.zero_grad_at == "step-start" and not written:
             hooks.phase(Phase.ZERO_GRAD, it)
             optimizer.zero_grad(set_to_none=recipe.zero_grad_set_to_none)
-        for micro in range(accumulation):
+        for micro in range(0 if written else accumulation):
             if not hooks.micro_step(it, micro):
                 break  # the loss below is still divided by all of them
             hooks.phase(Phase.INPUT, it)
