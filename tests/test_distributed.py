@@ -380,6 +380,41 @@ def test_single_gpu_that_does_not_fit_gets_checked_suggestions() -> None:
         assert checked.max_batch_size == suggestion.max_batch_size
 
 
+@pytest.mark.sim_slow  # FSDP world searches
+def test_a_stack_that_cannot_run_under_fsdp_is_suggested_without_its_last_lever(monkeypatch) -> None:
+    """torch's Adafactor raises under FSDP2 (an in-place pow_ on a sharded parameter's norm): a stack with it is
+    tried again without it, instead of failing the whole answer (llama-3-8b on a T4 did)."""
+    from estimator.errors import SimulationError
+    from estimator.options import PlanOptions
+    from estimator.pipeline import _sources
+    from estimator.plan.suggest import Suggester, levers, stacked
+    from estimator.plan.worlds import Worlds
+
+    tried = []
+    min_world = Worlds.min_world
+
+    def refusing(self, card, batch, **kwargs):
+        tried.append(dict(self.base))
+        if "training.optimizer.name" in self.base:
+            raise SimulationError("RuntimeError: aten.pow_.Scalar: in-place operations that require placement "
+                                  "changes are not supported", "optimizer")
+        return min_world(self, card, batch, **kwargs)
+
+    monkeypatch.setattr(Worlds, "min_world", refusing)
+    request = parse_request({"model": _GPT2, "input": {"seq_len": 32}, "gpus": ["T4-16GB"]})
+    from estimator.models import build
+    from estimator.request.adapt import job_of
+
+    job = job_of(request)
+    suggester = Suggester(_sources(request, build(job.model, job.input), None), PlanOptions(), 1, text_model=True)
+    chosen = [lever for lever in levers(PlanOptions(), True) if not lever.method]
+    assert stacked(chosen).change["training.optimizer.name"] == "adafactor"  # the last lever of the stack
+    found = suggester._fsdp(chosen, job.cards[0])
+    assert found is not None and found.world_size >= 2
+    assert "training.optimizer.name" not in found.change
+    assert [b.get("training.optimizer.name") for b in tried[:2]] == ["adafactor", None]  # then without it
+
+
 def test_affine_traces_and_profiles_keep_streams() -> None:
     """An FSDP step's affine trace keeps each allocation's stream through JSON (a profile), its replay uses
     them, and a trace on other streams is not the same program."""

@@ -25,7 +25,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from estimator.errors import SpecError
+from estimator.errors import SimulationError, SpecError
 from estimator.gpus import GPU
 from estimator.options import PlanOptions
 from estimator.plan.answer import provenance
@@ -163,19 +163,26 @@ class Suggester:
 
     def _fsdp(self, chosen: list[Lever], card: GPU) -> Suggestion | None:
         """FSDP (with the ``chosen`` levers) over the fewest ranks (2 to 1024) at which a batch is recommended;
-        then, at that world, the levers it does not need dropped (the last first: the most expensive)."""
+        then, at that world, the levers it does not need dropped (the last first: the most expensive). A stack
+        whose step cannot run under FSDP (torch's Adafactor raises on a sharded parameter's norm) is tried without
+        its last lever, down to none (FSDP alone, which ``for_card`` tried first)."""
         try:
             world = self._worlds_of(stacked(chosen)).min_world(card, self.start, least=2,
                                                                headroom=self.options.headroom)
         except SpecError:
             return None  # a lever this job cannot take under FSDP
+        except SimulationError:
+            return self._fsdp(chosen[:-1], card) if len(chosen) > 1 else None
         if world is None:
             return None
         kept = list(chosen)
         for lever in reversed(chosen):
             fewer = [x for x in kept if x is not lever]
-            if self._worlds_of(stacked(fewer)).fits(world, card, self.start, self.options.headroom):
-                kept = fewer
+            try:
+                if self._worlds_of(stacked(fewer)).fits(world, card, self.start, self.options.headroom):
+                    kept = fewer
+            except SimulationError:
+                continue  # without it the step cannot run under FSDP: kept
         base = stacked(kept)
         best, rec = self._batches(self._worlds_of(base).steps(world), card)
         words = f"FSDP (fully_shard per block) over {world} ranks" + (f" + {base.text}" if base.change else "")
