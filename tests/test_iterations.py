@@ -41,7 +41,7 @@ WRITTEN = {
     "gpt2 amp-fp16 GradScaler (its scale made once)": lambda: _zoo("gpt2", precision="amp-fp16"),
     "gpt2 checkpointing, three iterations": lambda: _zoo("gpt2", gradient_checkpointing=True, iterations=3),
     "bert pure bf16, sgd": lambda: _zoo("bert", precision="bf16", optimizer="sgd"),
-    "lstm (cuDNN's dropout state made once)": lambda: _zoo("lstm"),
+    "lstm": lambda: _zoo("lstm"),
     "llama amp-bf16 selective checkpointing": lambda: _request(CAUSAL, {"precision": "amp-bf16",
                                                                         "gradient_checkpointing": "selective"}),
     "llama lora": lambda: _request({**CAUSAL, "peft": LORA}, {"precision": "amp-bf16"}),
@@ -180,7 +180,29 @@ class EmptiesCache(nn.Module):
         return self.fc(x)
 
 
-@pytest.mark.parametrize("module", [KeepsLast, FreesOlder, EmptiesCache])
+class KeepsInput(nn.Module):
+    """Keeps its input until its next forward replaces it: the old batch is freed there, not as the input is
+    replaced (a module attribute holds it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(256, 10)
+        self.seen: torch.Tensor | None = None
+
+    def forward(self, x):
+        self.seen = x
+        return self.fc(x)
+
+
+class KeepsView(KeepsInput):
+    """Keeps a view of its input (a tensor sharing the batch's storage)."""
+
+    def forward(self, x):
+        self.rows = [x[0]]  # in a list: no tensor attribute, a second user of the storage
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("module", [KeepsLast, FreesOlder, EmptiesCache, KeepsInput, KeepsView])
 def test_what_the_first_iteration_leaves_or_frees_otherwise_is_simulated(module, monkeypatch) -> None:
     spy = _Spy(monkeypatch)
     full, written = _both((module, ZOO["mlp"][1], _ce), Recipe())
@@ -201,6 +223,69 @@ def test_what_selective_checkpointing_under_fsdp_keeps_is_simulated(monkeypatch:
     made = [sorted(a.op for a in full.allocations if a.module == "model.rotary_emb" and a.iteration == it)
             for it in (0, 1)]
     assert made[0] == made[1] and made[0]  # each forward makes them again
+
+
+class FreesInPlace(nn.Module):
+    """Frees a temporary's storage by ``resize_(0)`` in each forward: each iteration makes its own storage (by
+    ``mul``, not refilled by ``resize_`` as FSDP2's gathered parameters are)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(256, 10)
+
+    def forward(self, x):
+        y = x * 2  # (B, 256) fp32
+        total = y.sum()
+        y.untyped_storage().resize_(0)
+        return self.fc(x) + total
+
+
+def test_a_storage_resized_away_within_the_iteration_is_made_again_by_its_op(monkeypatch) -> None:
+    spy = _Spy(monkeypatch)
+    full, written = _both((FreesInPlace, ZOO["mlp"][1], _ce), Recipe())
+    assert spy.written == 1
+    _same(full, written)
+    assert [a.op for a in written.allocations if a.iteration == 1 and a.module == "FreesInPlace"][:1] == ["mul"]
+
+
+class KeepsGradients(torch.optim.SGD):
+    """An optimizer of the user's that keeps each ``p.grad`` in its state: zero_grad frees none of them."""
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["last"] = p.grad
+        return super().step(closure)
+
+
+def test_a_users_optimizer_or_set_up_simulates_every_iteration(monkeypatch) -> None:
+    spy = _Spy(monkeypatch)
+    mf, bf, lf = ZOO["mlp"]
+    full = record_training(mf, bf, lf, 4, Recipe(), A100, every_iteration=True,
+                           optimizer_fn=lambda m: KeepsGradients(m.parameters(), lr=0.1))
+    written = record_training(mf, bf, lf, 4, Recipe(), A100,
+                              optimizer_fn=lambda m: KeepsGradients(m.parameters(), lr=0.1))
+    assert (spy.written, spy.refused) == (0, 0)
+    _same(full, written)
+
+
+def test_an_lstm_with_dropout_is_the_simulated_step() -> None:
+    """cuDNN's dropout state is made once and kept: the first iteration shows it, so every iteration is
+    simulated; the traces agree either way."""
+    class Dropped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(100, 32)
+            self.lstm = nn.LSTM(32, 32, num_layers=2, dropout=0.1, batch_first=True)
+            self.head = nn.Linear(32, 10)
+
+        def forward(self, x):
+            return self.head(self.lstm(self.embed(x))[0][:, -1])
+
+    def batches(b, device):
+        return torch.zeros(b, 12, dtype=torch.long, device=device), torch.zeros(b, dtype=torch.long, device=device)
+
+    _same(*_both((Dropped, batches, _ce), Recipe()))
 
 
 def test_a_simulated_second_iteration_would_differ_where_refused() -> None:

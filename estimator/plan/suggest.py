@@ -172,6 +172,8 @@ class Suggester:
         except SpecError:
             return None  # a lever this job cannot take under FSDP
         except SimulationError:
+            if not chosen:
+                raise  # FSDP alone: not a lever's doing
             return self._fsdp(chosen[:-1], card) if len(chosen) > 1 else None
         if world is None:
             return None

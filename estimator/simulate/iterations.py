@@ -16,11 +16,15 @@ backward of the two it ran).
 
 It is written only where the first iteration shows nothing else lives on
 from it: what it allocated and had not freed by its backward's end is the
-gradients, the batch, and allocations made once (a cuBLAS handle's
-workspace, a GradScaler's scale), and it freed nothing older than itself and
-emptied no cache. Anything else (a cache a module fills, what selective
-checkpointing keeps under FSDP, a Lightning or Keras step of the user's) and
-the iteration is simulated. Under FSDP2 a block's unsharded parameters are
+gradients (still gradients, not kept as optimizer state), the batch, and
+allocations made once (a cuBLAS handle's workspace, a GradScaler's scale),
+it freed nothing older than itself and emptied no cache, and no module holds
+the batch or a view of it (then the next forward frees it, not the input).
+Anything else (a cache a module fills, what selective checkpointing keeps
+under FSDP, a user's own step, optimizer or set-up code) and the iteration,
+and every later one, is simulated. Not detected: a batch factory of the
+user's that hands the same tensor out again (batchfit's sources make a new
+batch per call). Under FSDP2 a block's unsharded parameters are
 made by the first all-gather and refilled by ``resize_`` from then on: their
 copies are ``resize_`` allocations. Not tried with accumulation, with
 zero_grad after the forward or without ``set_to_none``, with cudnn.benchmark
@@ -63,6 +67,17 @@ class Kept:
     grads: list[torch.Tensor]
     batch: list[torch.Tensor]
     once: list[torch.Tensor] = field(default_factory=list)
+    held: list[torch.Tensor] = field(default_factory=list)  # tensors the model's modules hold as attributes
+
+
+def _only_views(batch: list[torch.Tensor]) -> bool:
+    """No tensor outside ``batch`` shares its storages (a module that keeps a view of its input holds one)."""
+    impls: dict[int, set[int]] = {}
+    for t in batch:
+        if isinstance(t, torch.Tensor) and not is_traceable_wrapper_subclass(t):
+            impls.setdefault(t.untyped_storage()._cdata, set()).add(id(t))
+    # the storage's users: the batch's tensors, and the storage object ``untyped_storage()`` makes to ask
+    return all(torch._C._storage_Use_Count(key) <= len(users) + 1 for key, users in impls.items())
 
 
 def _keys(tensors: Iterable[torch.Tensor]) -> set[int]:
@@ -87,6 +102,7 @@ class Repeat:
     forward: int | None = None
     end: int | None = None
     copies: int = 0  # iterations written so far
+    refused: bool = False  # an iteration was simulated: so are the later ones
     _plan_of_first: tuple[dict[int, int], set[int]] | None = None
 
     def mark(self, phase: Phase, events: int, allocations: int) -> None:
@@ -103,9 +119,11 @@ class Repeat:
     def copy(self, rec: Recorder, iteration: int, kept: Kept) -> bool:
         """Write ``iteration``'s zero_grad..backward into ``rec``'s trace from the first iteration's; False (nothing
         written) where the first iteration does not show that it would record the same."""
-        plan = self._plan_of_first or self._plan(rec, kept)
-        if plan is None or set(plan[0]) != _keys(kept.grads) | _keys(kept.batch):
-            return False  # (a later iteration: the optimizer step replaced a gradient)
+        plan = None if self.refused else self._plan_of_first or self._plan(rec, kept)
+        if (plan is None or set(plan[0]) != _keys(kept.grads) | _keys(kept.batch)  # (a gradient replaced)
+                or _keys(kept.held) & _keys(kept.batch) or not _only_views(kept.batch)):
+            self.refused = True  # or a module holds (a view of) the batch: the next forward frees it, not the input
+            return False
         self._plan_of_first = plan
         carried, once = plan
         trace = rec.trace
@@ -170,7 +188,7 @@ class Repeat:
                 once.add(aid)  # a cuBLAS handle's workspace, made by the first matmul on each thread
             elif key in once_keys:
                 once.add(aid)
-            elif key in grads or (key in batch and a.phase == Phase.INPUT):
+            elif (key in grads and a.category == Category.GRADIENT) or (key in batch and a.phase == Phase.INPUT):
                 carried[key] = aid
             else:
                 return None

@@ -287,6 +287,7 @@ class Recorder:
     def _free(self, key: int, aid: int) -> None:
         if self.closed:
             return  # storages that outlive the step (the model's, freed when the caller drops it): not part of it
+        self.refilled.pop(aid, None)  # gone: a later storage at its address is another
         aid = self.moved.get(aid, aid)  # a storage the loop kept across iterations (iterations.py)
         if key in self.last_aid:  # resized in place since: its latest allocation, if not resized to 0
             aid = self.live.pop(key, -1)
@@ -420,7 +421,8 @@ class SimulationHooks(StepHooks):
         grads = [p.grad for p in training.params if p.grad is not None]
         scaler = training.scaler
         once = [] if scaler is None else [t for t in (scaler._scale, scaler._growth_tracker) if t is not None]
-        return self.recorder.repeats_first(iteration, Kept(grads, tree_leaves(batch), once))
+        held = [v for m in training.model.modules() for v in vars(m).values() if isinstance(v, torch.Tensor)]
+        return self.recorder.repeats_first(iteration, Kept(grads, tree_leaves(batch), once, held))
 
     def call(self, phase: Phase, fn: Callable[[], T]) -> T:
         return _call(phase, fn, self.recorder)
@@ -552,7 +554,8 @@ def record_training(
     columns = CpuConvColumns() if gpu is None else None  # the CPU target's slow kernels' im2col buffers
     streams = Streams()  # the virtual GPU's streams, which the recorder reads
     d = recipe.distributed
-    repeat = not every_iteration and step_fn is None and tried(recipe)
+    # a user's own step, optimizer or set-up code may hold what the loop does not: every iteration simulated
+    repeat = not every_iteration and step_fn is None and optimizer_fn is None and on_device is None and tried(recipe)
     recorder = Recorder("cuda" if gpu is not None else "cpu", gpu.cublas_workspace_bytes if gpu is not None else 0,
                         convs or columns, streams=streams, every_micro_step=every_micro_step,
                         capability=gpu.capability if gpu is not None else None, repeat=repeat)
