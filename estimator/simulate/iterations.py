@@ -101,7 +101,6 @@ class Repeat:
     first: int = 0
     forward: int | None = None
     end: int | None = None
-    copies: int = 0  # iterations written so far
     refused: bool = False  # an iteration was simulated: so are the later ones
     _plan_of_first: tuple[dict[int, int], set[int]] | None = None
 
@@ -119,9 +118,11 @@ class Repeat:
     def copy(self, rec: Recorder, iteration: int, kept: Kept) -> bool:
         """Write ``iteration``'s zero_grad..backward into ``rec``'s trace from the first iteration's; False (nothing
         written) where the first iteration does not show that it would record the same."""
-        plan = None if self.refused else self._plan_of_first or self._plan(rec, kept)
-        if (plan is None or set(plan[0]) != _keys(kept.grads) | _keys(kept.batch)  # (a gradient replaced)
-                or _keys(kept.held) & _keys(kept.batch) or not _only_views(kept.batch)):
+        grads, batch_keys = _keys(kept.grads), _keys(kept.batch)
+        plan = None if self.refused else self._plan_of_first or self._plan(rec, kept, grads, batch_keys)
+        # the storages the loop keeps are the ones the first micro-step made (a gradient not replaced since)
+        if (plan is None or set(plan[0]) != grads | batch_keys
+                or _keys(kept.held) & batch_keys or not _only_views(kept.batch)):
             self.refused = True  # or a module holds (a view of) the batch: the next forward frees it, not the input
             return False
         self._plan_of_first = plan
@@ -129,7 +130,6 @@ class Repeat:
         trace = rec.trace
         events, allocations = trace.events, trace.allocations
         rec.enter(Phase.ZERO_GRAD, iteration)
-        grads = _keys(kept.grads)
         batch = [rec.live[key] for key in carried if key not in grads]  # the previous batch, freed as it is replaced
         for key in carried:
             if key in grads:
@@ -155,12 +155,13 @@ class Repeat:
         for key, aid in carried.items():  # the storages the loop holds are this iteration's allocations now
             rec.live[key] = rec.moved[aid] = new[aid]
         rec.micro_flops[iteration, 0] = rec.micro_flops.get((0, 0), 0)
-        self.copies += 1
         return True
 
-    def _plan(self, rec: Recorder, kept: Kept) -> tuple[dict[int, int], set[int]] | None:
-        """(storage -> its allocation in the first micro-step, for the gradients and the batch; the allocations
-        made once), or None where the first micro-step shows something else living on or freed."""
+    def _plan(self, rec: Recorder, kept: Kept, grads: set[int],
+              batch: set[int]) -> tuple[dict[int, int], set[int]] | None:
+        """(storage -> its allocation in the first micro-step, for the gradients and the batch (storages
+        ``grads`` and ``batch``); the allocations made once), or None where the first micro-step shows something
+        else living on or freed."""
         if None in (self.zero_grad, self.start, self.forward, self.end) or rec.cuts:
             return None
         assert self.start is not None and self.end is not None
@@ -177,7 +178,7 @@ class Repeat:
                 live.discard(aid)
             else:
                 return None  # something older freed: it would not be freed again
-        grads, batch, once_keys = _keys(kept.grads), _keys(kept.batch), _keys(kept.once)
+        once_keys = _keys(kept.once)
         owner = {aid: key for key, aid in rec.live.items() if aid >= self.first}
         carried: dict[int, int] = {}
         once: set[int] = set()
@@ -192,9 +193,7 @@ class Repeat:
                 carried[key] = aid
             else:
                 return None
-        if set(carried) != grads | batch:
-            return None  # gradients or batch storages the first micro-step did not make
-        return carried, once
+        return carried, once  # ``copy`` checks that it made every gradient and batch storage
 
 
 def _again(rec: Recorder, aid: int, iteration: int) -> Allocation:

@@ -418,6 +418,8 @@ class SimulationHooks(StepHooks):
         return self.recorder.micro_step(iteration, micro)
 
     def repeats_first(self, iteration: int, training: Training, batch: Any) -> bool:
+        if self.recorder.repeat is None:
+            return False  # not tried for this loop: nothing to gather
         grads = [p.grad for p in training.params if p.grad is not None]
         scaler = training.scaler
         once = [] if scaler is None else [t for t in (scaler._scale, scaler._growth_tracker) if t is not None]
