@@ -4,6 +4,14 @@
 # BASE may name a local Debian/Python base when registries cannot be reached (e.g. one made with
 # debootstrap and imported into buildah); it needs python3 >= 3.11 and its venv module (Debian: python3-venv).
 ARG BASE=python:3.11-slim-bookworm
+
+# 0. The allocator replay in C (estimator/replay/_allocator.c), compiled in a stage of its own: the image gets the
+#    library, not the compiler. A plain C library (no Python headers), which estimator/replay/native.py loads.
+FROM ${BASE} AS native
+RUN apt-get update -q && apt-get install -y -q --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
+COPY estimator/replay/_allocator.c /src/_allocator.c
+RUN gcc -O2 -shared -fPIC -o /src/_allocator.so /src/_allocator.c
+
 FROM ${BASE}
 
 # Everything is installed into /opt/venv: Debian's own python3 refuses `pip install` as root (PEP 668),
@@ -37,7 +45,12 @@ RUN mkdir estimator app \
 COPY README.md ./
 COPY estimator ./estimator
 COPY app ./app
-RUN pip install --no-deps --force-reinstall . && rm -rf build ./*.egg-info
+# pip finds no compiler here and installs the package without the C replay (it is optional); the native stage's
+# library goes next to the installed estimator/replay/native.py, which loads it.
+COPY --from=native /src/_allocator.so /tmp/_allocator.so
+RUN pip install --no-deps --force-reinstall . && rm -rf build ./*.egg-info \
+    && mv /tmp/_allocator.so "$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/estimator/replay/" \
+    && python -c 'from estimator.replay import native; assert native.available(), "the C replay did not load"'
 
 USER batchfit
 EXPOSE 8000

@@ -9,7 +9,8 @@ JOBS ?= 2
 
 .PHONY: test test-fast test-all lint typecheck check serve bench coverage clean
 
-$(STAMP): pyproject.toml
+# _allocator.c too: the editable install builds the C replay from it (estimator/replay/native.py refuses a stale one)
+$(STAMP): pyproject.toml estimator/replay/_allocator.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)

@@ -338,9 +338,12 @@ def test_dockerfile_runs_as_non_root_with_a_healthcheck() -> None:
 
 
 def test_dockerfile_installs_into_a_venv_dependencies_before_the_source() -> None:
-    steps = _instructions()
+    every = _instructions()
+    assert every[0] == ("ARG", "BASE=python:3.11-slim-bookworm")
+    final = max(i for i, (k, _) in enumerate(every) if k == "FROM")
+    assert every[final] == ("FROM", "${BASE}")
+    steps = every[final:]  # the image's own stage
     kinds = [k for k, _ in steps]
-    assert steps[0] == ("ARG", "BASE=python:3.11-slim-bookworm") and steps[1] == ("FROM", "${BASE}")
     env = " ".join(a for k, a in steps if k == "ENV")
     assert "PATH=/opt/venv/bin:$PATH" in env and "BATCHFIT_CACHE_PATH=" in env
     venv = next(i for i, (k, a) in enumerate(steps) if k == "RUN" and "python3 -m venv /opt/venv" in a)
@@ -365,6 +368,22 @@ def test_dockerfile_installs_into_a_venv_dependencies_before_the_source() -> Non
     assert "/healthz" in check
 
 
+def test_the_image_builds_the_c_replay_in_a_stage_of_its_own() -> None:
+    """The allocator replay in C: compiled where a compiler is (not in the image), placed next to the installed
+    estimator/replay/native.py, and loaded there before the image is done (a build without it fails)."""
+    steps = _instructions()
+    froms = [i for i, (k, _) in enumerate(steps) if k == "FROM"]
+    assert len(froms) == 2 and steps[froms[0]][1] == "${BASE} AS native"
+    stage = steps[froms[0]:froms[1]]
+    assert any(k == "RUN" and "gcc" in a and "_allocator.c" in a and "-shared" in a for k, a in stage)
+    assert ("COPY", "estimator/replay/_allocator.c /src/_allocator.c") in stage
+    image = steps[froms[1]:]
+    copied = next(i for i, (k, a) in enumerate(image) if k == "COPY" and a.startswith("--from=native "))
+    placed = next(a for k, a in image[copied:] if k == "RUN" and "_allocator.so" in a)
+    assert "estimator/replay/" in placed and "native.available()" in placed
+    assert not any(k == "RUN" and "gcc" in a for k, a in image)  # no compiler in the image
+
+
 def _dockerignored(path: str, patterns: list[str]) -> bool:
     """Whether Docker leaves ``path`` out of the build context (last matching pattern wins; a pattern that
     matches a folder matches what is in it)."""
@@ -385,12 +404,13 @@ def test_dockerignore_keeps_out_what_the_image_does_not_need() -> None:
     patterns = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
     for path in (".git/HEAD", ".venv/bin/python", "tests/test_service.py", "bench/load.py",
                  "estimator/cli/__pycache__/main.cpython-311.pyc", ".batchfit-cache.sqlite", "step.png",
-                 ".hypothesis/examples/x", "batchfit.egg-info/PKG-INFO"):
+                 ".hypothesis/examples/x", "batchfit.egg-info/PKG-INFO",
+                 "estimator/replay/_allocator.cpython-311-x86_64-linux-gnu.so"):
         assert _dockerignored(path, patterns), path
     needed = ["pyproject.toml", "README.md", "estimator/cli/main.py",
               "estimator/models/sources/transformers/presets/bert-base-uncased.json",
               "app/main.py"]
-    needed += [a.split()[0] for k, a in _instructions() if k == "COPY"]
+    needed += [a.split()[0] for k, a in _instructions() if k == "COPY" and not a.startswith("--from=")]
     for path in needed:
         assert not _dockerignored(path, patterns), path
 

@@ -22,6 +22,7 @@ from functools import cached_property
 from typing import Any
 
 from estimator.replay.allocator import Event
+from estimator.replay.native import Encoded, available, encode
 from estimator.trace import SOFT_CATEGORIES, Category, Sized, Trace
 
 SCHEMA_VERSION = 3  # 2: cuDNN workspaces (soft allocations), empty_cache, capability thresholds; 3: streams
@@ -59,6 +60,12 @@ class AffineTrace:
         for i in self._workspaces:
             sizes[i] = workspace
         return sizes
+
+    @cached_property
+    def encoded(self) -> Encoded | None:
+        """The events, categories and streams in the C replay's form (``estimator.replay.native``), made once: the
+        same at every batch. None without the C replay."""
+        return encode(self.events, self.categories, self.streams) if available() else None
 
     @cached_property
     def _workspaces(self) -> list[int]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from estimator.gpus import GPU
+from estimator.plan.affine import AffineTrace
 from estimator.plan.growing import GrowingTrace
 from estimator.replay.allocator import AllocatorConfig, ReplayResult, replay_sized
 from estimator.replay.report import MemoryReport, peak_allocation, report_from_replays
@@ -33,18 +34,20 @@ class ReplayCache:
         self._steps.setdefault(id(step), step)
         key = (id(step), batch, ws)
         known = self._unlimited.get(key)
+        encoded = step.encoded if isinstance(step, AffineTrace) else None  # the lists in the C replay's form
         if not capped:
             if known is None:
                 events, sizes, categories, streams = step.sized(batch, ws)
                 known = self._unlimited[key] = replay_sized(events, sizes, categories, AllocatorConfig(),
-                                                            timelines=False, streams=streams)
+                                                            timelines=False, streams=streams, encoded=encoded)
             return known
         cap = gpu.usable_bytes(self.reserve_bytes)
         if known is not None and max(known.reserved_peak, known.device_peak) <= cap:
             return known  # below the capacity no cudaMalloc fails: the same replay
         if (key, cap) not in self._capped:
             events, sizes, categories, streams = step.sized(batch, ws)
-            r = replay_sized(events, sizes, categories, AllocatorConfig(cap), timelines=False, streams=streams)
+            r = replay_sized(events, sizes, categories, AllocatorConfig(cap), timelines=False, streams=streams,
+                             encoded=encoded)
             self._capped[key, cap] = r
             if r.fits and not r.failed_mallocs:
                 self._unlimited[key] = r

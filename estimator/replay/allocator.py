@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from estimator.errors import ReplayError, SpecError
+from estimator.replay.native import Encoded, replay_native
 from estimator.replay.recording import Action, Entry, Recording, Segment
 from estimator.replay.recording import Block as BlockState
 from estimator.trace import MANAGED_CATEGORIES, SOFT_CATEGORIES, Category, Trace
@@ -420,15 +421,24 @@ def replay(events: Sequence[Event], config: AllocatorConfig, timelines: bool = T
 
 def replay_sized(events: Sequence[tuple[bool, int]], sizes: Sequence[int], categories: Sequence[str],
                  config: AllocatorConfig, timelines: bool = True,
-                 streams: Sequence[int] | None = None, *, record: bool = False) -> ReplayResult:
+                 streams: Sequence[int] | None = None, *, record: bool = False, native: bool = True,
+                 encoded: Encoded | None = None) -> ReplayResult:
     """``replay`` of ``(is_alloc, k)`` events whose allocation ``k`` has ``sizes[k]`` bytes in ``categories[k]``
     (on stream ``streams[k]``; None: all on the default stream).
 
-    The form traces and affine traces already have: no per-event objects to build.
+    The form traces and affine traces already have: no per-event objects to build. Without expandable segments
+    or ``record``, the C replay answers where it is built (``estimator.replay.native``: the same rules, about a
+    hundred times faster; ``encoded``: the lists in its form, made once for a step that replays at many batches);
+    ``native=False``: this Python model, the reference, always.
     """
     if record and config.expandable_segments:
         raise SpecError("allocator.expandable_segments", True, "false when the replay records where blocks live "
                         "(a snapshot): expandable segments are modelled by their sizes, not their addresses")
+    if native and not record and not config.expandable_segments:
+        fields = replay_native(events, sizes, categories, config.capacity, config.max_split_size, timelines,
+                               streams, encoded)
+        if fields is not None:
+            return ReplayResult(**fields)
     a = _Allocator(config)
     recorder = _Recorder(a, sizes, categories, streams) if record else None
     tracking = timelines or record  # one branch per event for both: none when neither is asked for
