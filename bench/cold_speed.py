@@ -8,12 +8,16 @@ measured in the run (the median of three before the first case, then one after e
 its speed drifts)
 and the aim.
 
-    python bench/cold_speed.py [--only NAME]
+    python bench/cold_speed.py [--only NAME] [--python-replay]
+
+``--python-replay``: each case also with the allocator replay in Python (``BATCHFIT_NATIVE_REPLAY=0``), the
+C replay's "before", measured in the same run.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -55,16 +59,18 @@ print(json.dumps({"estimate_s": t2 - t1, "total_s": t2 - t0, "simulations": resp
 """
 
 
-def cold(request: dict) -> dict:
+def cold(request: dict, python_replay: bool = False) -> dict:
     """One estimate in a new process; its own timings."""
+    env = {**os.environ, "BATCHFIT_NATIVE_REPLAY": "0"} if python_replay else None
     out = subprocess.run([sys.executable, "-c", CHILD, json.dumps(request)], capture_output=True, text=True,
-                         check=True)
+                         check=True, env=env)
     result: dict = json.loads(out.stdout.strip().splitlines()[-1])
     return result
 
 
 def main() -> None:
     only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None
+    modes = [False, True] if "--python-replay" in sys.argv else [False]
     t0 = time.perf_counter()
     steps = [cpu_step_seconds()]
     print(f"real CPU step, resnet50 b32: {steps[0]:.2f} s (median of 3)")
@@ -72,11 +78,13 @@ def main() -> None:
     for name, (request, aim) in CASES.items():
         if only and only not in name:
             continue
-        got = cold(request)
-        steps.append(cpu_step_seconds(repeats=1))  # after each case: this host is shared, its speed drifts
-        measured.append((name, aim, got))
-        print(f"{name}: {got['estimate_s']:.1f} s, {got['simulations']} full simulations; with imports "
-              f"{got['total_s']:.1f} s; max {got['max']} (CPU step after it: {steps[-1]:.2f} s)")
+        for python_replay in modes:
+            got = cold(request, python_replay)
+            steps.append(cpu_step_seconds(repeats=1))  # after each case: this host is shared, its speed drifts
+            label = f"{name}, Python replay" if python_replay else name
+            measured.append((label, aim, got))
+            print(f"{label}: {got['estimate_s']:.1f} s, {got['simulations']} full simulations; with imports "
+                  f"{got['total_s']:.1f} s; max {got['max']} (CPU step after it: {steps[-1]:.2f} s)")
     step = statistics.median(steps)
     print(f"ratios to the median CPU step of this run, {step:.2f} s ({len(steps)} measured, "
           f"{min(steps):.2f} to {max(steps):.2f} s):")

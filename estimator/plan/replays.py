@@ -13,8 +13,9 @@ from estimator.gpus import GPU
 from estimator.plan.affine import AffineTrace
 from estimator.plan.growing import GrowingTrace
 from estimator.replay.allocator import AllocatorConfig, ReplayResult, replay_sized
+from estimator.replay.native import Encoded, available, encode
 from estimator.replay.report import MemoryReport, peak_allocation, report_from_replays
-from estimator.trace import Step, Trace
+from estimator.trace import Sized, Step, Trace
 
 
 class ReplayCache:
@@ -27,6 +28,10 @@ class ReplayCache:
         self._capped: dict[tuple[tuple[int, int, int], int], ReplayResult] = {}  # ((step, batch, workspace), cap)
         self._unlimited: dict[tuple[int, int, int], ReplayResult] = {}
         self._steps: dict[int, Step] = {}  # the steps keyed by id(), held so that no id is reused
+        # a full trace's lists as the replay reads them, made once (a finished trace's never change): its events'
+        # encoding for the C replay, and its sizes per cuBLAS workspace with its categories and streams
+        self._encoded: dict[int, Encoded | None] = {}
+        self._sized: dict[tuple[int, int], Sized] = {}
 
     def replay(self, step: Step, batch: int, gpu: GPU, capped: bool = True) -> ReplayResult:
         """The step's replay on the card (its capacity less the reserve), or without a capacity."""
@@ -34,10 +39,10 @@ class ReplayCache:
         self._steps.setdefault(id(step), step)
         key = (id(step), batch, ws)
         known = self._unlimited.get(key)
-        encoded = step.encoded if isinstance(step, AffineTrace) else None  # the lists in the C replay's form
+        encoded = self._encoding(step, ws)
         if not capped:
             if known is None:
-                events, sizes, categories, streams = step.sized(batch, ws)
+                events, sizes, categories, streams = self._lists(step, batch, ws)
                 known = self._unlimited[key] = replay_sized(events, sizes, categories, AllocatorConfig(),
                                                             timelines=False, streams=streams, encoded=encoded)
             return known
@@ -45,13 +50,34 @@ class ReplayCache:
         if known is not None and max(known.reserved_peak, known.device_peak) <= cap:
             return known  # below the capacity no cudaMalloc fails: the same replay
         if (key, cap) not in self._capped:
-            events, sizes, categories, streams = step.sized(batch, ws)
+            events, sizes, categories, streams = self._lists(step, batch, ws)
             r = replay_sized(events, sizes, categories, AllocatorConfig(cap), timelines=False, streams=streams,
                              encoded=encoded)
             self._capped[key, cap] = r
             if r.fits and not r.failed_mallocs:
                 self._unlimited[key] = r
         return self._capped[key, cap]
+
+    def _lists(self, step: Step, batch: int, ws: int) -> Sized:
+        """``step.sized(batch, ws)``; a full trace's once per workspace (it is the step at one batch)."""
+        if not isinstance(step, Trace):
+            return step.sized(batch, ws)
+        key = (id(step), ws)
+        if key not in self._sized:
+            self._sized[key] = step.sized(batch, ws)
+        return self._sized[key]
+
+    def _encoding(self, step: Step, ws: int) -> Encoded | None:
+        """The step's events, categories and streams in the C replay's form, where the step keeps them: an affine
+        trace's own, a full trace's made once here; None for a growing trace (its events differ by batch)."""
+        if isinstance(step, AffineTrace):
+            return step.encoded
+        if not isinstance(step, Trace) or not available():
+            return None
+        if id(step) not in self._encoded:
+            events, _, categories, streams = self._lists(step, 0, ws)
+            self._encoded[id(step)] = encode(events, categories, streams)
+        return self._encoded[id(step)]
 
     def step_report(self, step: Step, batch: int, gpu: GPU, unsupported: Sequence[str] = (),
                     assumptions: Sequence[str] = ()) -> MemoryReport:
