@@ -141,3 +141,41 @@ def test_a_newer_guess_replaces_the_one_before_but_the_kept_one(parallel) -> Non
     here = record_training(built.factory, built.batch_factory, built.loss_fn, 3, Recipe(), A100)
     assert fetched.events == here.events and [a.nbytes for a in fetched.allocations] == \
         [a.nbytes for a in here.allocations]
+
+
+def test_an_idle_child_runs_at_the_lowest_priority_and_takes_no_spare_core(parallel) -> None:
+    """``Background(idle=True)``: work needed later, started to fill the moments a core would sit idle. It runs at
+    nice 19, ``spare_core`` does not count it (the caller still splits its own work with a child), and a
+    caller starts one at a time (``idle_working``)."""
+    gate_r, gate_w = os.pipe()
+
+    def held() -> int:
+        os.read(gate_r, 1)  # until the test lets it finish
+        return os.nice(0)
+
+    job = Background(held, idle=True)
+    try:
+        assert background.spare_core() and background.idle_working()
+        os.write(gate_w, b"x")
+        assert job.result(timeout=30) == 19
+        assert not background.idle_working()
+    finally:
+        job.close()
+        os.close(gate_r)
+        os.close(gate_w)
+
+
+def test_an_idle_prefetch_is_one_at_a_time_and_gives_the_same_trace(parallel) -> None:
+    built, sim = parallel
+    sim.prefetch(2, A100, idle=True)
+    sim.prefetch(3, A100, idle=True)  # the first still works: not started
+    assert set(sim._pending) == {(2, A100)} and sim._pending[2, A100].idle
+    sim.prefetch(3, A100)  # a prefetch the caller waits for next is started whatever works at idle
+    assert set(sim._pending) == {(2, A100), (3, A100)} and not sim._pending[3, A100].idle
+    fetched, runs = sim.simulate(2, A100)
+    assert runs == 1 and (2, A100) not in sim._pending
+    here = record_training(built.factory, built.batch_factory, built.loss_fn, 2, Recipe(), A100)
+    assert fetched.events == here.events and [a.nbytes for a in fetched.allocations] == \
+        [a.nbytes for a in here.allocations]
+    sim.simulate(3, A100)
+    assert not sim._pending and sim.runs == 2
