@@ -196,9 +196,6 @@ class Suggester:
         stack that does; then each change of method that lands; then FSDP over the fewest ranks (with the recipe's
         stack when FSDP alone is not enough)."""
         landed = [lever for lever in self._rolling(self.levers, card, self.start) if self._lands(lever, card)]
-        methods_landed = [x for x in landed if x.method]
-        if methods_landed:  # searched last, after FSDP's worlds: its first step one batch up, on idle CPU till then
-            self._prefetch(methods_landed[0], card, self.start + 1, idle=True)
         out = [self._suggestion(lever, card)
                for lever in self._rolling([x for x in landed if not x.method], card, self.start + 1)]
         # stacks combine the recipe's levers; a change of method is offered on its own, after them
@@ -212,28 +209,24 @@ class Suggester:
         fsdp = self._fsdp([], card)
         if fsdp is None and not out and len(taken) > 1:
             fsdp = self._fsdp(taken, card)
-        methods = [self._suggestion(lever, card) for lever in self._rolling(methods_landed, card, self.start + 1)]
+        methods = [self._suggestion(lever, card)
+                   for lever in self._rolling([x for x in landed if x.method], card, self.start + 1)]
         return out + methods + ([fsdp] if fsdp is not None else [])
 
     def _rolling(self, chosen: list[Lever], card: GPU, batch: int) -> Iterator[Lever]:
         """``chosen`` in order, the next one's step at ``batch`` started in a forked child while the caller works
         on this one (estimator/simulate/background.py): the levers' steps are independent, and a second core
-        simulates the next while the first searches this one. The one after it is offered too, at the lowest
-        priority (the source's ``prefetch(idle=True)``): it takes only the moments both cores would otherwise
-        leave idle (a caller waiting for a child, a child's work done before the caller's), and is collected when
-        its turn comes."""
+        simulates the next while the first searches this one."""
         for i, lever in enumerate(chosen):
             if i + 1 < len(chosen):
                 self._prefetch(chosen[i + 1], card, batch)
-            if i + 2 < len(chosen):
-                self._prefetch(chosen[i + 2], card, batch, idle=True)
             yield lever
 
-    def _prefetch(self, lever: Lever, card: GPU, batch: int, idle: bool = False) -> None:
+    def _prefetch(self, lever: Lever, card: GPU, batch: int) -> None:
         steps = self._of(lever)
         prefetch = getattr(steps.source, "prefetch", None) if steps is not None else None
         if steps is not None and prefetch is not None and (batch, steps.signature(card)) not in steps.traces:
-            prefetch(batch, headroom_card(card, steps.reserve_bytes, self.options.headroom), idle=idle)
+            prefetch(batch, headroom_card(card, steps.reserve_bytes, self.options.headroom))
 
     @property
     def simulations(self) -> int:

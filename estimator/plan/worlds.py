@@ -48,7 +48,6 @@ class Worlds:
         self.base = dict(base or {})
         self._steps: dict[int, Steps] = {} if first is None else {1: Steps(first, reserve_bytes)}
         self.largest_tried: dict[str, int] = {}  # by card: the largest world a search that found none tried
-        self._ahead: list[tuple[int, GPU]] = []  # (world, card as seen) offered ahead by the search under way
 
     def steps(self, world_size: int) -> Steps:
         if world_size not in self._steps:
@@ -86,16 +85,6 @@ class Worlds:
                   headroom: float | None = None) -> int | None:
         """The fewest ranks (``least`` to ``limit``) at which ``batch`` fits ``card`` (within ``headroom`` when
         given); None when not even ``limit`` do."""
-        try:
-            return self._min_world(card, batch, limit, least, headroom)
-        finally:  # the worlds offered ahead that the search did not ask for: dropped
-            for world, seen in self._ahead:
-                drop = getattr(self.steps(world).source, "drop", None)
-                if drop is not None:
-                    drop(batch, seen)
-            self._ahead.clear()
-
-    def _min_world(self, card: GPU, batch: int, limit: int, least: int, headroom: float | None) -> int | None:
         def fits(w: int) -> bool:
             return self.fits(w, card, batch, headroom)
 
@@ -107,25 +96,13 @@ class Worlds:
             lo, hi = 1, 2
         else:
             lo, hi = least - 1, least
-        while not self._fits_ahead(hi, min(2 * hi, limit), card, batch, headroom):
+        while not fits(hi):
             if hi >= limit or self.beyond_any_world(hi, card, batch, headroom):
                 self.largest_tried[card.name] = max(hi, self.largest_tried.get(card.name, 1))
                 return None
             lo, hi = hi, min(2 * hi, limit)
         # the largest world in [lo, hi) that does not fit, and one more
         return bisect(lambda w: not fits(w), lo, hi) + 1
-
-    def _fits_ahead(self, world_size: int, then: int, card: GPU, batch: int, headroom: float | None) -> bool:
-        """``fits`` at ``world_size``; the world the doubling asks next (``then``) offered to the source beside it
-        at the lowest priority (``prefetch(idle=True)``: on CPU the probe leaves idle, collected if asked for)."""
-        steps, seen = self._at(world_size, card, headroom)
-        if then != world_size and batch not in steps.simulated(seen):
-            ahead, seen_then = self._at(then, card, headroom)
-            prefetch = getattr(ahead.source, "prefetch", None)
-            if prefetch is not None and batch not in ahead.simulated(seen_then):
-                prefetch(batch, seen_then, idle=True)
-                self._ahead.append((then, seen_then))
-        return steps.fits(batch, seen)
 
     @property
     def simulations(self) -> int:

@@ -48,14 +48,11 @@ def enabled() -> bool:
 
 
 class Background:
-    """``fn()`` in a forked child; ``result`` collects it. ``idle``: the child runs at the lowest priority
-    (nice 19), on what CPU the other processes leave: work that will be needed later, started now to fill the
-    moments a core would otherwise sit idle; it takes no core ``spare_core`` counts."""
+    """``fn()`` in a forked child; ``result`` collects it."""
 
-    def __init__(self, fn: Callable[[], Any], idle: bool = False) -> None:
+    def __init__(self, fn: Callable[[], Any]) -> None:
         self.pid: int | None = None
         self.fd: int | None = None
-        self.idle = idle
         parent = os.getpid()
         read, write = os.pipe()
         with warnings.catch_warnings():
@@ -72,8 +69,6 @@ class Background:
             code = 1
             try:
                 _die_with(parent)
-                if idle:
-                    os.nice(19)
                 data = pickle.dumps(fn(), protocol=pickle.HIGHEST_PROTOCOL)
                 with os.fdopen(write, "wb") as out:
                     out.write(data)
@@ -146,14 +141,8 @@ class Background:
 
 def spare_core() -> bool:
     """Whether work may be split with a child now: background runs are enabled, this process is not itself a
-    child, and none of its children is still computing (each takes a core; an ``idle`` one yields it)."""
-    return enabled() and not _in_child and not any(job.working() for job in list(_jobs) if not job.idle)
-
-
-def idle_working() -> bool:
-    """Whether one of this process's ``idle`` children is still computing: a caller starts one at a time, so that
-    the one it waits for never shares the CPU it gets with another."""
-    return any(job.working() for job in list(_jobs) if job.idle)
+    child, and none of its children is still computing (each takes a core)."""
+    return enabled() and not _in_child and not any(job.working() for job in list(_jobs))
 
 
 def _cpu_ticks(pid: int) -> int | None:

@@ -124,13 +124,11 @@ class Simulator:
         trace = traces[rank]
         return dataclasses.replace(trace, assumptions=[*trace.assumptions, self.rank_note])
 
-    def prefetch(self, batch: int, gpu: GPU, idle: bool = False) -> None:
+    def prefetch(self, batch: int, gpu: GPU) -> None:
         """Start the full simulation at ``batch`` in a forked child now (estimator/simulate/background.py);
         ``simulate`` collects it, or runs it itself if the child fails. Not before the rank a distributed
-        step stands for is known (with uneven shards, the first simulations pick it). ``idle``: at the lowest
-        priority, on the CPU the other simulations leave (``Background``'s); not while another such child works
-        (one at a time: the one a caller waits for gets a core to itself)."""
-        if len(self._resolve_ranks()) > 1 or (idle and background.idle_working()):
+        step stands for is known (with uneven shards, the first simulations pick it)."""
+        if len(self._resolve_ranks()) > 1:
             return
         if background.enabled() and (batch, gpu) not in self._pending:
             note = [self.rank_note] if self.rank_note else []
@@ -138,15 +136,8 @@ class Simulator:
                 trace = self.deepener.record(batch, self.recipe, gpu, notes=note)
                 return trace, self.deepener.found()  # what the child learnt of the blocks, for the parent
 
-            job = background.Background(run, idle)
+            job = background.Background(run)
             self._pending[batch, gpu] = job
-
-    def drop(self, batch: int, gpu: GPU) -> None:
-        """Kill the prefetch at ``batch`` on ``gpu`` if one is pending: a guess that was not needed after all (it
-        counts no simulation)."""
-        job = self._pending.pop((batch, gpu), None)
-        if job is not None:
-            job.close()
 
     def prefetch_second(self, batch: int, gpu: GPU) -> None:
         """``prefetch`` the second batch every search needs beside the first, unless the first simulation
