@@ -62,7 +62,7 @@ def traces(draw):
 
 @settings(max_examples=400, deadline=None)
 @given(traces(), st.sampled_from([None, 0, 3 * MiB, 30 * MiB, 60 * MiB, 150 * MiB, 400 * MiB]),
-       st.sampled_from([None, 20 * MiB, 40 * MiB]), st.booleans())
+       st.sampled_from([None, 20 * MiB, 23 * MiB, 40 * MiB]), st.booleans())
 def test_random_traces_replay_alike(trace, capacity, max_split, timelines) -> None:
     events, sizes, categories, streams = trace
     config = AllocatorConfig(capacity=capacity, max_split_size=max_split)
@@ -142,3 +142,53 @@ def test_simulated_steps_replay_alike(name: str) -> None:
             for max_split in (None, 40 * MiB):
                 both(events, sizes, categories, AllocatorConfig(capacity=capacity, max_split_size=max_split),
                      timelines=False, streams=streams, encoded=affine.encoded)
+
+
+def test_what_python_holds_and_int64_does_not_is_python_s() -> None:
+    """Sizes and limits past int64's safe sums, floats and numpy flags: the Python replay answers (no overflow, no
+    wrapped capacity, no error the Python model would not raise)."""
+    act = Category.ACTIVATION
+    huge = [(True, 0), (True, 1), (False, 0)]
+    both(huge, [2**62, 2**62], [act, act], AllocatorConfig())
+    both(huge, [2**63 + 5, 10], [act, act], AllocatorConfig())
+    both([(True, 0)], [MiB], [act], AllocatorConfig(capacity=2**64))
+    assert native.replay_native([(True, 0)], [MiB], [act], 2**64, None, False, None) is None
+    both([(True, 0), (True, 1)], [1.5e6, 3], [act, act], AllocatorConfig())
+    import numpy as np  # transformers' dependency, so always here
+
+    both([(np.bool_(True), 0), (np.bool_(False), 0)], [MiB], [act], AllocatorConfig())
+
+
+def test_managed_sizes_below_zero_add_up_as_in_python() -> None:
+    paged, act = Category.PAGED_OPTIMIZER_STATE, Category.ACTIVATION
+    result = both([(True, 0), (True, 1), (True, 2)], [-5, 10, 4096], [paged, paged, act], AllocatorConfig())
+    assert result.breakdown_at_peak[paged] == 5
+    assert both([(True, 0), (True, 2)], [-5, 10, 4096], [paged, paged, act],
+                AllocatorConfig()).breakdown_at_peak[paged] == -5
+
+
+def test_a_workspace_skipped_after_a_block_it_freed_is_not_in_the_breakdown() -> None:
+    """A cuDNN workspace that had a block, freed it, then could not have one: nothing of it is live at the peak
+    (the breakdown adds up to the allocated peak)."""
+    ws, act = Category.CONV_WORKSPACE, Category.ACTIVATION
+    result = both([(True, 0), (False, 0), (True, 1), (True, 0), (True, 2)], [40 * MiB, 50 * MiB, 30 * MiB],
+                  [ws, act, act], AllocatorConfig(capacity=80 * MiB))
+    assert ws not in result.breakdown_at_peak
+    assert sum(result.breakdown_at_peak.values()) == result.allocated_peak
+
+
+def test_an_encoding_of_other_lists_is_not_read() -> None:
+    act = Category.ACTIVATION
+    events, sizes = [(True, 0), (True, 1), (False, 0)], [MiB, 2 * MiB]
+    other = native.encode([(True, 0)], [act], None)
+    assert native.replay_native(events, sizes, [act, act], None, None, False, None, other) is None
+    assert replay_sized(events, sizes, [act, act], AllocatorConfig(), encoded=other) == \
+        replay_sized(events, sizes, [act, act], AllocatorConfig(), native=False)
+
+
+def test_max_split_size_is_whole_mib() -> None:
+    """PYTORCH_CUDA_ALLOC_CONF's max_split_size_mb: whole MiB, which keeps an oversize block a whole segment (the
+    release of oversize blocks frees segments)."""
+    with pytest.raises(ReplayError, match="whole number of MiB"):
+        AllocatorConfig(max_split_size=int(20.75 * MiB))
+    AllocatorConfig(max_split_size=21 * MiB)

@@ -21,7 +21,7 @@
 
 /* bumped with any change to bf_replay's arguments or results: native.py loads only a library of its own ABI (an
  * editable install keeps the library it built until it is built again) */
-#define BF_ABI 1
+#define BF_ABI 2
 
 int bf_abi(void) { return BF_ABI; }
 
@@ -35,7 +35,16 @@ enum {
 };
 
 /* return codes */
-enum { OK = 0, ERR_TWICE = 1, ERR_NEGATIVE = 2, ERR_NOT_ALLOCATED = 3, ERR_KEY_RANGE = 4, ERR_MEMORY = 5 };
+/* return codes: 1-3 are the trace's errors (native.py raises Python's ReplayError); the rest hand the replay back to
+ * Python: a key out of range, host memory, a size past what int64 arithmetic here can hold, a state Python's model
+ * would not reach (a block not where the pool says) */
+enum {
+    OK = 0, ERR_TWICE = 1, ERR_NEGATIVE = 2, ERR_NOT_ALLOCATED = 3, ERR_KEY_RANGE = 4, ERR_MEMORY = 5,
+    ERR_SIZE_RANGE = 6, ERR_STATE = 7
+};
+
+/* sizes, capacities and sums stay far from INT64_MAX below this (2^60 B: an exbibyte) */
+#define SAFE_BYTES (1LL << 60)
 
 typedef struct {
     int64_t addr, size;
@@ -63,6 +72,7 @@ typedef struct {
     int has_max_split;
     int64_t reserved, managed, allocated, next_addr, segments, flushes, failed;
     int oom_memory; /* a host allocation failed */
+    int bad_state;  /* a block was not found in its pool */
 } Allocator;
 
 static int32_t new_block(Allocator *a, int64_t addr, int64_t size, int small, int32_t pool) {
@@ -142,6 +152,10 @@ static void remove_block(Allocator *a, int32_t bi) { /* _remove */
     Block *b = &a->blocks[bi];
     Pool *p = &a->pools[b->pool];
     int32_t i = lower_bound(p, b->size, b->addr);
+    if (i >= p->n || p->e[i].block != bi) { /* not in its pool: Python's model answers (it raises) */
+        a->bad_state = 1;
+        return;
+    }
     pool_remove_at(p, i);
 }
 
@@ -292,12 +306,12 @@ static void free_block(Allocator *a, int32_t bi) {
 /* The replay. events[2*i], events[2*i + 1]: (is_alloc, key) of event i; sizes[k], kinds[k], cat[k]: allocation k's
  * bytes, kind and category index (< n_cats); stream[k]: its stream as a dense index (< n_streams; NULL: all 0).
  * capacity -1: none; max_split -1: none. timelines: allocated/reserved after each event into tl_alloc, tl_res.
- * breakdown[n_cats]: block bytes (managed: requested bytes) by category at the allocated peak, -1 where no
- * allocation of the category is live there. */
+ * breakdown[n_cats]: block bytes (managed: requested bytes) by category at the allocated peak; present[n_cats]: 1
+ * where an allocation of the category is live there (its bytes may add up to 0, or less for a managed size < 0). */
 int bf_replay(int64_t n_events, const int64_t *events, int64_t n_allocs, const int64_t *sizes,
               const uint8_t *kinds, const int32_t *cat, int32_t n_cats, const int32_t *stream, int32_t n_streams,
               int64_t capacity, int64_t max_split, int timelines, int64_t *tl_alloc, int64_t *tl_res, int64_t *out,
-              int64_t *breakdown) {
+              int64_t *breakdown, uint8_t *present) {
     Allocator a;
     memset(&a, 0, sizeof a);
     a.free_list = -1;
@@ -320,8 +334,17 @@ int bf_replay(int64_t n_events, const int64_t *events, int64_t n_allocs, const i
         rc = ERR_MEMORY;
         goto done;
     }
-    for (int64_t k = 0; k < n_allocs; k++)
+    for (int64_t k = 0; k < n_allocs; k++) {
         live[k] = -1;
+        if (sizes[k] > SAFE_BYTES || sizes[k] < -SAFE_BYTES)
+            rc = ERR_SIZE_RANGE;
+    }
+    if (capacity > SAFE_BYTES || max_split > SAFE_BYTES)
+        rc = ERR_SIZE_RANGE;
+    if (rc != OK) {
+        i = 0;
+        goto failed;
+    }
     for (i = 0; i < n_events; i++) {
         int is_alloc = events[2 * i] != 0;
         int64_t k = events[2 * i + 1];
@@ -365,8 +388,8 @@ int bf_replay(int64_t n_events, const int64_t *events, int64_t n_allocs, const i
             int32_t s = stream ? stream[k] : 0;
             if (kind == KIND_NORMAL) {
                 bi = malloc_block(&a, nbytes, s);
-                if (a.oom_memory) {
-                    rc = ERR_MEMORY;
+                if (a.oom_memory || a.bad_state) {
+                    rc = a.oom_memory ? ERR_MEMORY : ERR_STATE;
                     break;
                 }
                 if (bi < 0) {
@@ -377,13 +400,14 @@ int bf_replay(int64_t n_events, const int64_t *events, int64_t n_allocs, const i
                 release_segments(&a);
             } else {
                 bi = malloc_block(&a, nbytes, s);
-                if (a.oom_memory) {
-                    rc = ERR_MEMORY;
+                if (a.oom_memory || a.bad_state) {
+                    rc = a.oom_memory ? ERR_MEMORY : ERR_STATE;
                     break;
                 }
             }
             if (bi < 0) {
                 skipped[k] = 1;
+                has_block[k] = 0; /* a block it had before (freed, now skipped) is not live */
             } else {
                 live[k] = bi;
                 block_size[k] = a.blocks[bi].size;
@@ -408,8 +432,8 @@ int bf_replay(int64_t n_events, const int64_t *events, int64_t n_allocs, const i
             } else {
                 live[k] = -1;
                 free_block(&a, bi);
-                if (a.oom_memory) {
-                    rc = ERR_MEMORY;
+                if (a.oom_memory || a.bad_state) {
+                    rc = a.oom_memory ? ERR_MEMORY : ERR_STATE;
                     break;
                 }
             }
@@ -419,14 +443,17 @@ int bf_replay(int64_t n_events, const int64_t *events, int64_t n_allocs, const i
             tl_res[i] = a.reserved;
         }
     }
+failed:
     if (rc != OK) {
         out[OUT_ERROR_EVENT] = i;
         out[OUT_ERROR_KEY] = i < n_events ? events[2 * i + 1] : -1;
         goto done;
     }
     out[OUT_EVENTS_DONE] = i;
-    for (int32_t c = 0; c < n_cats; c++)
-        breakdown[c] = -1; /* no allocation of the category live at the peak */
+    for (int32_t c = 0; c < n_cats; c++) {
+        breakdown[c] = 0;
+        present[c] = 0; /* no allocation of the category live at the peak (yet) */
+    }
     if (alloc_peak) { /* what is live at the allocated peak, by category */
         uint8_t *at_peak = skipped; /* reused: cleared first */
         memset(at_peak, 0, (size_t)n_allocs);
@@ -442,7 +469,8 @@ int bf_replay(int64_t n_events, const int64_t *events, int64_t n_allocs, const i
                 bytes = sizes[k];
             else
                 continue; /* skipped: a workspace that could not be had, an empty_cache call */
-            breakdown[cat[k]] = (breakdown[cat[k]] < 0 ? 0 : breakdown[cat[k]]) + bytes;
+            breakdown[cat[k]] += bytes;
+            present[cat[k]] = 1;
         }
     }
     out[OUT_ALLOC_PEAK] = alloc_peak;

@@ -111,6 +111,12 @@ class AllocatorConfig:
             raise ReplayError(
                 f"max_split_size: got {self.max_split_size}; expected >= {KLARGE_BUFFER} bytes (20 MiB)"
             )
+        if self.max_split_size is not None and self.max_split_size % (1 << 20):
+            # PYTORCH_CUDA_ALLOC_CONF sets it in MiB (max_split_size_mb): only whole MiB keep an oversize block a
+            # whole segment (a split one's free part is below any such size), which the release of oversize
+            # blocks relies on
+            raise ReplayError(f"max_split_size: got {self.max_split_size}; expected a whole number of MiB "
+                              "(a multiple of 1048576 bytes), as max_split_size_mb sets it")
 
 
 @dataclass
@@ -494,6 +500,7 @@ def replay_sized(events: Sequence[tuple[bool, int]], sizes: Sequence[int], categ
                 block = malloc(nbytes, True, 0 if streams is None else streams[k])
             if block is None:
                 skipped.add(k)
+                block_size.pop(k, None)  # a block it had before (a workspace had, freed, then skipped) is not live
             else:
                 live[k] = block
                 block_size[k] = block.size

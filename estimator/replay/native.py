@@ -32,8 +32,10 @@ KIND_NORMAL, KIND_SOFT, KIND_EMPTY_CACHE, KIND_MANAGED = 0, 1, 2, 3
 (OUT_ALLOC_PEAK, OUT_RESERVED_PEAK, OUT_OOM_EVENT, OUT_PEAK_EVENT, OUT_SEGMENTS, OUT_FLUSHES, OUT_FAILED,
  OUT_MANAGED_PEAK, OUT_DEVICE_PEAK, OUT_EVENTS_DONE, OUT_ERROR_EVENT, OUT_ERROR_KEY, OUT_ERROR_VALUE) = range(13)
 OUT_SLOTS = 13
-# its return codes
-OK, ERR_TWICE, ERR_NEGATIVE, ERR_NOT_ALLOCATED = 0, 1, 2, 3  # 4 (a key out of range), 5 (host memory): Python's
+# its return codes; the others (a key out of range, host memory, sizes past SAFE_BYTES, a state Python's model would
+# not reach) hand the replay to Python
+OK, ERR_TWICE, ERR_NEGATIVE, ERR_NOT_ALLOCATED = 0, 1, 2, 3
+SAFE_BYTES = 1 << 60  # sizes and limits the C replay takes (its int64 sums never overflow below it)
 
 
 def _kind(category: str) -> int:
@@ -44,7 +46,7 @@ def _kind(category: str) -> int:
     return KIND_SOFT if category in SOFT_CATEGORIES else KIND_NORMAL
 
 
-ABI = 1  # _allocator.c's BF_ABI: what this module passes and reads
+ABI = 2  # _allocator.c's BF_ABI: what this module passes and reads
 
 
 def _load() -> Any:
@@ -54,13 +56,16 @@ def _load() -> Any:
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
         path = here / f"_allocator{suffix}"
         if path.exists():
-            lib = ctypes.CDLL(str(path))
+            try:
+                lib = ctypes.CDLL(str(path))
+            except OSError:  # not loadable here (another machine's build): the Python replay
+                return None
             if not hasattr(lib, "bf_abi") or lib.bf_abi() != ABI:
                 return None
             fn = lib.bf_replay
             i64, p = ctypes.c_int64, ctypes.c_void_p
             fn.argtypes = [i64, p, i64, p, p, p, ctypes.c_int32, p, ctypes.c_int32, i64, i64, ctypes.c_int, p, p, p,
-                           p]
+                           p, p]
             fn.restype = ctypes.c_int
             return fn
     return None
@@ -124,21 +129,30 @@ def replay_native(events: Sequence[tuple[bool, int]], sizes: Sequence[int], cate
     m = len(sizes)
     if len(categories) != m or (streams is not None and len(streams) != m):
         return None  # what Python makes of it (an IndexError where a key reaches past), not ours to judge
-    if encoded is None:
-        encoded = encode(events, categories, streams)
+    for limit in (capacity, max_split_size):
+        if limit is not None and (type(limit) is not int or not 0 <= limit <= SAFE_BYTES):
+            return None  # past what the C replay's int64 sums hold, or not an int: Python's arbitrary precision
+    try:
         if encoded is None:
-            return None
+            encoded = encode(events, categories, streams)
+            if encoded is None:
+                return None
+        sized = array("q", sizes)
+    except (TypeError, OverflowError):  # sizes or flags that are not int64: Python's to replay
+        return None
     e, n = encoded, encoded.n_events
-    sized = array("q", sizes)
+    if n != len(events) or len(e.kinds) != m or (e.streams is not None and len(e.streams) != m):
+        return None  # an encoding of other lists: never read past its arrays
     out = array("q", bytes(8 * OUT_SLOTS))
     breakdown = array("q", bytes(8 * max(len(e.names), 1)))
+    present = array("B", bytes(max(len(e.names), 1)))
     tl_alloc = array("q", bytes(8 * n)) if timelines else array("q", b"")
     tl_res = array("q", bytes(8 * n)) if timelines else array("q", b"")
     rc = _REPLAY(n, _address(e.events), m, _address(sized), _address(e.kinds), _address(e.categories), len(e.names),
                  None if e.streams is None else _address(e.streams), e.n_streams,
                  -1 if capacity is None else capacity, -1 if max_split_size is None else max_split_size,
                  int(timelines), _address(tl_alloc) if timelines else None, _address(tl_res) if timelines else None,
-                 _address(out), _address(breakdown))
+                 _address(out), _address(breakdown), _address(present))
     i, k = out[OUT_ERROR_EVENT], out[OUT_ERROR_KEY]
     if rc == ERR_TWICE:
         raise ReplayError(f"event {i}: key {k} allocated twice without a free")
@@ -158,7 +172,7 @@ def replay_native(events: Sequence[tuple[bool, int]], sizes: Sequence[int], cate
         "peak_event": out[OUT_PEAK_EVENT],
         "allocated": tl_alloc[:done].tolist() if timelines else [],
         "reserved": tl_res[:done].tolist() if timelines else [],
-        "breakdown_at_peak": {e.names[c]: b for c, b in enumerate(breakdown[:len(e.names)]) if b >= 0},
+        "breakdown_at_peak": {e.names[c]: breakdown[c] for c in range(len(e.names)) if present[c]},
         "segments_allocated": out[OUT_SEGMENTS],
         "cache_flushes": out[OUT_FLUSHES],
         "failed_mallocs": out[OUT_FAILED],
