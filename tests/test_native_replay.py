@@ -116,7 +116,7 @@ def test_a_key_past_the_sizes_is_python_s_to_answer() -> None:
 
 def test_what_the_c_replay_does_not_model_runs_in_python() -> None:
     events, sizes, categories = [(True, 0), (True, 1), (False, 0)], [3 * MiB, 5 * MiB], [Category.ACTIVATION] * 2
-    assert native.replay_native(events, sizes, categories, None, None, False, None) is not None
+    assert native.replay_native(events, sizes, categories, None) is not None
     expandable = replay_sized(events, sizes, categories, AllocatorConfig(expandable_segments=True))
     assert expandable.reserved_peak == 8 * MiB  # 2 MiB pages: the Python model's expandable segments
     recorded = replay_sized(events, sizes, categories, AllocatorConfig(), record=True)
@@ -152,7 +152,7 @@ def test_what_python_holds_and_int64_does_not_is_python_s() -> None:
     both(huge, [2**62, 2**62], [act, act], AllocatorConfig())
     both(huge, [2**63 + 5, 10], [act, act], AllocatorConfig())
     both([(True, 0)], [MiB], [act], AllocatorConfig(capacity=2**64))
-    assert native.replay_native([(True, 0)], [MiB], [act], 2**64, None, False, None) is None
+    assert native.replay_native([(True, 0)], [MiB], [act], None, capacity=2**64) is None
     both([(True, 0), (True, 1)], [1.5e6, 3], [act, act], AllocatorConfig())
     import numpy as np  # transformers' dependency, so always here
 
@@ -181,7 +181,7 @@ def test_an_encoding_of_other_lists_is_not_read() -> None:
     act = Category.ACTIVATION
     events, sizes = [(True, 0), (True, 1), (False, 0)], [MiB, 2 * MiB]
     other = native.encode([(True, 0)], [act], None)
-    assert native.replay_native(events, sizes, [act, act], None, None, False, None, other) is None
+    assert native.replay_native(events, sizes, [act, act], None, encoded=other) is None
     assert replay_sized(events, sizes, [act, act], AllocatorConfig(), encoded=other) == \
         replay_sized(events, sizes, [act, act], AllocatorConfig(), native=False)
 

@@ -441,8 +441,8 @@ def replay_sized(events: Sequence[tuple[bool, int]], sizes: Sequence[int], categ
         raise SpecError("allocator.expandable_segments", True, "false when the replay records where blocks live "
                         "(a snapshot): expandable segments are modelled by their sizes, not their addresses")
     if native and not record and not config.expandable_segments:
-        fields = replay_native(events, sizes, categories, config.capacity, config.max_split_size, timelines,
-                               streams, encoded)
+        fields = replay_native(events, sizes, categories, streams, capacity=config.capacity,
+                               max_split_size=config.max_split_size, timelines=timelines, encoded=encoded)
         if fields is not None:
             return ReplayResult(**fields)
     a = _Allocator(config)

@@ -119,8 +119,8 @@ def encode(events: Sequence[tuple[bool, int]], categories: Sequence[str],
 
 
 def replay_native(events: Sequence[tuple[bool, int]], sizes: Sequence[int], categories: Sequence[str],
-                  capacity: int | None, max_split_size: int | None, timelines: bool,
-                  streams: Sequence[int] | None, encoded: Encoded | None = None) -> dict[str, Any] | None:
+                  streams: Sequence[int] | None, *, capacity: int | None = None, max_split_size: int | None = None,
+                  timelines: bool = False, encoded: Encoded | None = None) -> dict[str, Any] | None:
     """``replay_sized``'s result fields for a replay without expandable segments or recording, from the C replay;
     None where it cannot answer (the caller replays in Python). ``encoded``: ``encode(events, categories,
     streams)``, made before. Raises ``ReplayError`` as the Python replay does."""
