@@ -39,24 +39,24 @@ class ReplayCache:
         self._steps.setdefault(id(step), step)
         key = (id(step), batch, ws)
         known = self._unlimited.get(key)
-        encoded = self._encoding(step, ws)
         if not capped:
             if known is None:
-                events, sizes, categories, streams = self._lists(step, batch, ws)
-                known = self._unlimited[key] = replay_sized(events, sizes, categories, AllocatorConfig(),
-                                                            timelines=False, streams=streams, encoded=encoded)
+                known = self._unlimited[key] = self._replay(step, batch, ws, AllocatorConfig())
             return known
         cap = gpu.usable_bytes(self.reserve_bytes)
         if known is not None and max(known.reserved_peak, known.device_peak) <= cap:
             return known  # below the capacity no cudaMalloc fails: the same replay
         if (key, cap) not in self._capped:
-            events, sizes, categories, streams = self._lists(step, batch, ws)
-            r = replay_sized(events, sizes, categories, AllocatorConfig(cap), timelines=False, streams=streams,
-                             encoded=encoded)
+            r = self._replay(step, batch, ws, AllocatorConfig(cap))
             self._capped[key, cap] = r
             if r.fits and not r.failed_mallocs:
                 self._unlimited[key] = r
         return self._capped[key, cap]
+
+    def _replay(self, step: Step, batch: int, ws: int, config: AllocatorConfig) -> ReplayResult:
+        events, sizes, categories, streams = self._lists(step, batch, ws)
+        return replay_sized(events, sizes, categories, config, timelines=False, streams=streams,
+                            encoded=self._encoding(step, ws))
 
     def _lists(self, step: Step, batch: int, ws: int) -> Sized:
         """``step.sized(batch, ws)``; a full trace's once per workspace (it is the step at one batch)."""

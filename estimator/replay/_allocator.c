@@ -1,5 +1,5 @@
 /* The caching-allocator replay of estimator/replay/allocator.py (``replay_sized``), in C: the same rules, the same
- * results, about a hundred times faster. The Python model is the reference; this file follows it function for
+ * results, about 50 times faster. The Python model is the reference; this file follows it function for
  * function (_Allocator.malloc, _split, free, _cuda_malloc, _release_oversize, _release_segments and the event loop
  * of replay_sized), for what most replays are: no expandable segments, no recording. tests/test_native_replay.py
  * holds the two equal on random and real traces.
@@ -324,13 +324,12 @@ int bf_replay(int64_t n_events, const int64_t *events, int64_t n_allocs, const i
     int32_t *live = malloc((size_t)(n_allocs > 0 ? n_allocs : 1) * sizeof(int32_t));
     int64_t *block_size = calloc((size_t)(n_allocs > 0 ? n_allocs : 1), sizeof(int64_t));
     uint8_t *skipped = calloc((size_t)(n_allocs > 0 ? n_allocs : 1), 1);
-    uint8_t *has_block = calloc((size_t)(n_allocs > 0 ? n_allocs : 1), 1);
     int rc = OK;
     int64_t alloc_peak = 0, reserved_peak = 0, peak_event = 0, oom = -1, managed_peak = 0, device_peak = 0;
     int64_t i = 0;
     for (int32_t c = 0; c < OUT_SLOTS; c++)
         out[c] = 0;
-    if (!a.pools || !live || !block_size || !skipped || !has_block) {
+    if (!a.pools || !live || !block_size || !skipped) {
         rc = ERR_MEMORY;
         goto done;
     }
@@ -407,11 +406,10 @@ int bf_replay(int64_t n_events, const int64_t *events, int64_t n_allocs, const i
             }
             if (bi < 0) {
                 skipped[k] = 1;
-                has_block[k] = 0; /* a block it had before (freed, now skipped) is not live */
+                block_size[k] = 0; /* a block it had before (freed, now skipped) is not live */
             } else {
                 live[k] = bi;
-                block_size[k] = a.blocks[bi].size;
-                has_block[k] = 1;
+                block_size[k] = a.blocks[bi].size; /* never 0: blocks are at least 512 B */
                 if (a.allocated > alloc_peak) {
                     alloc_peak = a.allocated;
                     peak_event = i;
@@ -463,7 +461,7 @@ failed:
             if (!at_peak[k])
                 continue;
             int64_t bytes;
-            if (has_block[k])
+            if (block_size[k])
                 bytes = block_size[k];
             else if (kinds[k] == KIND_MANAGED)
                 bytes = sizes[k];
@@ -491,6 +489,5 @@ done:
     free(live);
     free(block_size);
     free(skipped);
-    free(has_block);
     return rc;
 }

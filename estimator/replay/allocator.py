@@ -433,8 +433,8 @@ def replay_sized(events: Sequence[tuple[bool, int]], sizes: Sequence[int], categ
     (on stream ``streams[k]``; None: all on the default stream).
 
     The form traces and affine traces already have: no per-event objects to build. Without expandable segments
-    or ``record``, the C replay answers where it is built (``estimator.replay.native``: the same rules, about a
-    hundred times faster; ``encoded``: the lists in its form, made once for a step that replays at many batches);
+    or ``record``, the C replay answers where it is built (``estimator.replay.native``: the same rules, about 50
+    times faster; ``encoded``: the lists in its form, made once for a step that replays at many batches);
     ``native=False``: this Python model, the reference, always.
     """
     if record and config.expandable_segments:

@@ -76,7 +76,7 @@ _REPLAY = None if os.environ.get("BATCHFIT_NATIVE_REPLAY") == "0" else _load()
 
 
 def available() -> bool:
-    """Whether the C replay was built (``replay_sized`` is then about a hundred times faster)."""
+    """Whether the C replay was built (``replay_sized`` is then about 50 times faster)."""
     return _REPLAY is not None
 
 
@@ -90,13 +90,16 @@ class Encoded:
     """A step's events, categories and streams as the C replay reads them: the same at every batch, so a step whose
     lists never change (an affine trace) encodes them once (``AffineTrace.encoded``)."""
 
-    n_events: int
     events: array[int]  # (is_alloc, key) of each event, flat
     categories: array[int]  # each allocation's index in ``names``
     kinds: array[int]  # each allocation's KIND_*
     names: list[str]  # the categories, in order of first use
     streams: array[int] | None  # each allocation's stream as a dense index (None: all on the default stream)
     n_streams: int
+
+    @property
+    def n_events(self) -> int:
+        return len(self.events) // 2
 
 
 def encode(events: Sequence[tuple[bool, int]], categories: Sequence[str],
@@ -115,7 +118,7 @@ def encode(events: Sequence[tuple[bool, int]], categories: Sequence[str],
         for s in streams:
             ids.setdefault(s, len(ids))
         n_streams, dense = len(ids), array("i", map(ids.__getitem__, streams))
-    return Encoded(len(events), flat, cats, kinds, names, dense, n_streams)
+    return Encoded(flat, cats, kinds, names, dense, n_streams)
 
 
 def replay_native(events: Sequence[tuple[bool, int]], sizes: Sequence[int], categories: Sequence[str],
