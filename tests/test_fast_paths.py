@@ -149,6 +149,10 @@ def _views(fast: bool) -> list:
             (split, (torch.empty(512, device="meta"), 128)), (split, (a,), {"split_size": 3, "dim": 1}),
             (aten._unsafe_view, (torch.empty(6, 4, device="meta"), [24])),
         ]
+        view = aten.view.default  # torch's fake kernel is _unsafe_view's, but its output is a view (autograd's)
+        cases += [(view, args) for op, args, *_ in cases if op is aten._unsafe_view]
+        cases += [(view, (torch.empty(1, 6, device="cuda"), [6, 1])), (view, (a, [4, 48, 1])),
+                  (view, (torch.empty(2, 3, device="cuda"), [1, 6])), (view, (a[:, :3], [12, 8]))]
         for op, args, *kwargs in cases:
             try:
                 out = op(*args, **(kwargs[0] if kwargs else {}))
@@ -257,3 +261,142 @@ def test_cudnn_batch_norm_outputs(dtype, weight_low, shape, channels_last) -> No
             got.append([(tuple(o.shape), o.stride(), o.dtype) for o in grads])
             results[fast] = got
     assert results[True] == results[False]
+
+
+def _lifted(fast: bool) -> list:
+    """What ``torch.tensor`` of each scalar gives in the virtual GPU's fake mode, and what ops on it then give:
+    its state, its constant, its memos, an in-place op's output and value, ``item()``."""
+    from estimator.simulate.virtual_gpu.fake_mode import FakeMode
+
+    mode = FakeMode(shortcuts=Shortcuts(lift=fast))
+    converter = mode.fake_tensor_converter
+    got: list = []
+    values = [(0.0, torch.float32), (3.5, torch.float64), (7, torch.int64), (-2, torch.int32), (1, torch.int8),
+              (True, torch.bool), (0.25, torch.bfloat16), (float("nan"), torch.float64),
+              (float("inf"), torch.float64), (2.0, None), ([1.0, 2.0], None)]
+    with mode:
+        for value, dtype in values:
+            t = torch.tensor(value, dtype=dtype)
+            state = sorted(((k, v) for k, v in t.__dict__.items() if k not in ("fake_mode", "constant")), key=str)
+            got.append((type(t), t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t._version,
+                        str(torch._C._dispatch_keys(t)), state, t.fake_mode is mode,
+                        None if t.constant is None else (t.constant.tolist(), t.constant.dtype),
+                        t.constant is not None and converter._get_memo(t.constant) is t,
+                        t.constant is not None and t.constant.untyped_storage()._cdata != t.untyped_storage()._cdata))
+            if t.dim() == 0 and dtype is not torch.bool:
+                out = t.add_(1)
+                got.append((out is t, t.item(), t._version, t.item_memo))
+                got.append((t * 2).item())
+    got.append(len(converter.constant_storage_mapping))
+    return got
+
+
+def test_a_lifted_scalar_is_what_torch_lifts() -> None:
+    """``torch.tensor`` of a scalar, lifted without ``meta_utils``: the same fake tensor, constant and memos as
+    torch's path, and the same results of the ops that read its value (compared as text: NaN is a value here)."""
+    fast, slow = _lifted(True), _lifted(False)
+    assert repr(fast) == repr(slow)
+    assert "('_item_memo', 3.5)" in repr(fast)  # a float64 constant's Python number, kept as torch keeps it
+
+
+@pytest.mark.parametrize("optimizer, kwargs", [("adam", {}), ("adamw", {"weight_decay": 0.1}),
+                                               ("adam", {"amsgrad": True}), ("sgd", {"momentum": 0.9})])
+def test_lift_shortcut(optimizer, kwargs, monkeypatch) -> None:
+    """An optimizer's step counters (``torch.tensor(0.0)`` per parameter) lifted by the shortcut: the same step."""
+    from estimator.simulate.virtual_gpu.fake_mode import FakeMode
+
+    taken = [0]
+    original = FakeMode._lift_scalar
+
+    def counted(self, *args):
+        out = original(self, *args)
+        taken[0] += out is not NotImplemented
+        return out
+
+    monkeypatch.setattr(FakeMode, "_lift_scalar", counted)
+    mf, bf, lf = ZOO["conv"]
+    recipe = Recipe(optimizer=optimizer, optimizer_kwargs=kwargs, precision="amp-bf16")
+    fast = record_training(mf, bf, lf, 4, recipe, A100)
+    assert taken[0] >= (2 if optimizer.startswith("adam") else 0)
+    _same(fast, record_training(mf, bf, lf, 4, recipe, A100, shortcuts=Shortcuts(lift=False)))
+
+
+def _pointwise(fast: bool) -> list:
+    """What each op of the pointwise shortcut gives for inputs it takes and inputs it leaves to torch (other
+    strides, dtypes, shapes, a scalar tensor, an integer tensor), or their errors."""
+    from estimator.simulate.virtual_gpu.fake_mode import _POINTWISE, FakeMode
+
+    mode = FakeMode(shortcuts=Shortcuts(pointwise=fast))
+    got: list = []
+    with mode:
+        def inputs(dtype):
+            x = torch.empty(4, 6, 8, device="cuda", dtype=dtype)
+            ones = torch.empty(1, 5, 1, device="cuda", dtype=dtype)
+            return [(x, torch.empty_like(x)), (x.transpose(0, 1), torch.empty(6, 4, 8, device="cuda", dtype=dtype)),
+                    (x, torch.empty(4, 6, 8, device="cuda", dtype=torch.float32)), (x, torch.tensor(2.0)),
+                    (x, torch.empty(6, 8, device="cuda")), (x[:, :3], torch.empty(4, 3, 8, device="cuda", dtype=dtype)),
+                    (ones, torch.empty_like(ones)),
+                    (torch.empty(0, 3, device="cuda", dtype=dtype),) * 2,
+                    (torch.empty(4, 4, device="cuda", dtype=torch.int64),) * 2,
+                    (torch.empty(2, 3, 4, 5, device="cuda", dtype=dtype).to(memory_format=torch.channels_last),) * 2,
+                    (torch.empty(2, 3, 1, 5, device="cuda", dtype=dtype).to(memory_format=torch.channels_last),) * 2,
+                    (torch.empty(2, 3, 4, 5, device="cuda", dtype=dtype).to(memory_format=torch.channels_last),
+                     torch.empty(2, 3, 4, 5, device="cuda", dtype=dtype)),
+                    (torch.empty(2, 3, 4, 5, device="cuda", dtype=dtype).permute(0, 2, 1, 3),) * 2,
+                    (torch.empty(4, 6, 8, device="cuda", dtype=dtype).requires_grad_(),) * 2]
+        extra = {aten.threshold_backward.default: (0,), aten.pow.Tensor_Scalar: (2,), aten.add.Tensor: ()}
+        keywords = {aten.add.Tensor: [{}, {"alpha": 2}, {"alpha": 0.5}],
+                    aten.gelu.default: [{}, {"approximate": "tanh"}],
+                    aten.gelu_backward.default: [{}, {"approximate": "tanh"}]}
+        for op in _POINTWISE:
+            unary = len(op._schema.arguments) - len(extra.get(op, ())) - len(keywords.get(op, [{}])[-1]) == 1
+            for dtype in (torch.float32, torch.bfloat16):
+                for pair in inputs(dtype):
+                    for kwargs in keywords.get(op, [{}]):
+                        args = (pair[0],) if unary else (pair[0], pair[1])
+                        try:
+                            out = op(*args, *extra.get(op, ()), **kwargs)
+                        except Exception as exc:  # torch's own error, from either path
+                            got.append((str(op), type(exc).__name__, str(exc)))
+                            continue
+                        got.append((str(op), type(out), out.shape, out.stride(), out.storage_offset(), out.dtype,
+                                    out.device, out.requires_grad, out._is_view(), str(torch._C._dispatch_keys(out)),
+                                    out.fake_mode is mode, out.untyped_storage().nbytes(),
+                                    any(torch._C._is_alias_of(out, a) for a in args),
+                                    sorted(((k, v) for k, v in out.__dict__.items() if k != "fake_mode"), key=str)))
+    return got
+
+
+def test_a_pointwise_shortcut_gives_what_torch_gives() -> None:
+    """Each op's output (shape, strides, dtype, storage, state) or error is torch's own."""
+    fast = _pointwise(True)
+    assert fast == _pointwise(False)
+    assert sum(len(case) > 3 for case in fast) > 300  # outputs, not errors
+
+
+@pytest.mark.parametrize("model, inp, precision", [
+    ({"source": "torchvision", "name": "resnet18"}, {"image_size": [3, 64, 64]}, "fp32"),
+    ({"source": "torchvision", "name": "resnet18"}, {"image_size": [3, 64, 64]}, "amp-bf16"),
+    ({"source": "timm", "name": "convnext_atto"}, {"image_size": [3, 64, 64]}, "amp-fp16"),
+    (LLAMA, {"seq_len": 32}, "amp-bf16"), (LLAMA, {"seq_len": 32}, "bf16"), (GPT2, {"seq_len": 32}, "fp32"),
+], ids=["resnet18-fp32", "resnet18-amp-bf16", "convnext-amp-fp16", "llama-amp-bf16", "llama-bf16", "gpt2-fp32"])
+def test_pointwise_and_lift_shortcuts(model, inp, precision, monkeypatch) -> None:
+    """Elementwise ops (activations, their gradients, a norm's products) made like their inputs, and the step
+    counters lifted without meta_utils: the same step as torch's own paths, on CNNs and transformers."""
+    from estimator.simulate.virtual_gpu.fake_mode import FakeMode
+
+    taken = [0]
+    original = FakeMode._pointwise
+
+    def counted(self, *args):
+        out = original(self, *args)
+        taken[0] += out is not NotImplemented
+        return out
+
+    monkeypatch.setattr(FakeMode, "_pointwise", counted)
+    b = build_request(parse_request({"model": model, "input": inp}))
+    recipe = Recipe(precision=precision)
+    fast = record_training(b.factory, b.batch_factory, b.loss_fn, 3, recipe, A100)
+    assert taken[0] >= 4
+    _same(fast, record_training(b.factory, b.batch_factory, b.loss_fn, 3, recipe, A100,
+                                shortcuts=Shortcuts(pointwise=False, lift=False)))

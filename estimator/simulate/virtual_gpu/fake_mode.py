@@ -17,6 +17,7 @@ by allocation.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,10 +28,14 @@ from torch._subclasses.fake_tensor import (
     FakeTensorConfig,
     FakeTensorMode,
     _BypassDispatchCache,
+    _is_plain_tensor,
     in_kernel_invocation_manager,
 )
+from torch.utils._mode_utils import no_dispatch
 
 from estimator.simulate.virtual_gpu.cudnn_rnn import FAKE_KERNELS as _CUDNN_RNN_KERNELS
+
+aten = torch.ops.aten
 
 # torch._foreach_* ops whose i-th output has the i-th input's shape, dtype and layout.
 _FOREACH_ELEMENTWISE = frozenset({
@@ -49,7 +54,11 @@ class Shortcuts:
     (the reshape after every batched matmul) and ``split`` into parts of its storage (fused projections, FSDP's
     parameters), which the dispatch cache does not hold (torch bypasses it for ``_unsafe_view``; a split's parts
     share a storage, which ``_make_cache_entry`` refuses). ``foreach_sharding``: DTensor's sharding of a foreach
-    op worked out once per distinct element (estimator/simulate/distributed/foreach_sharding.py).
+    op worked out once per distinct element (estimator/simulate/distributed/foreach_sharding.py). ``lift``:
+    ``torch.tensor``'s lift of a real CPU scalar (Adam's step counters, one per parameter) made a fake tensor
+    with its constant directly, not converted through ``meta_utils``. ``pointwise``: the elementwise ops of
+    ``_POINTWISE`` on tensors of one shape, dtype and contiguous strides (activations and their gradients, the
+    products of a norm), made like their inputs without torch's Python references.
     """
 
     foreach: bool = True
@@ -58,6 +67,8 @@ class Shortcuts:
     cache_hits: bool = True
     views: bool = True
     foreach_sharding: bool = True
+    lift: bool = True
+    pointwise: bool = True
 
 
 # what FakeTensor.__new__ sets on a new fake tensor of an op's output besides its device and mode (torch 2.14): no
@@ -75,15 +86,40 @@ def _normal(device: torch.device) -> bool:
 
 
 _CUDNN_BN_BACKWARD = torch.ops.aten.cudnn_batch_norm_backward.default
-_UNSAFE_VIEW = torch.ops.aten._unsafe_view.default
+# view and _unsafe_view of a contiguous tensor: torch's fake kernel for both is ``_reshape_view_helper``
+_VIEWS = frozenset({torch.ops.aten._unsafe_view.default, torch.ops.aten.view.default})
 _SPLITS = frozenset({torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default})
 _BATCH_NORM_OPS = frozenset({torch.ops.aten.cudnn_batch_norm.default, _CUDNN_BN_BACKWARD})
+# elementwise ops whose output is like their tensor inputs (floating point, all of the same shape, dtype and
+# contiguous strides; the other arguments Python numbers or the keyword named): their fake kernels are torch's
+# Python references, about 1-3 ms a call for each new shape (every new batch's), the dispatch cache's misses
+_POINTWISE = {op: keywords for ops, keywords in (
+    ((aten.threshold_backward.default, aten.silu_backward.default, aten.sigmoid_backward.default,
+      aten.tanh_backward.default, aten.mul.Tensor, aten.sub.Tensor, aten.div.Tensor, aten.silu.default,
+      aten.relu.default, aten.sigmoid.default, aten.tanh.default, aten.neg.default, aten.rsqrt.default,
+      aten.pow.Tensor_Scalar), frozenset()),
+    ((aten.add.Tensor,), frozenset({"alpha"})),
+    ((aten.gelu.default, aten.gelu_backward.default), frozenset({"approximate"})),
+) for op in ops}
+_LIFTS = frozenset({torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default})
+# the dtypes of a 0-d CPU constant whose value torch also keeps as a Python number (``item_memo``,
+# FakeTensorConverter.from_real_tensor in torch 2.14)
+_ITEM_MEMO_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.float64})
 
 
 def _plain_fake(mode, t) -> bool:
     """A strided fake tensor of ``mode`` on the device, without a constant or symbolic sizes."""
     return (type(t) is FakeTensor and t.fake_mode is mode and t.constant is None and t.layout == torch.strided
             and t.device.type != "cpu" and not t._has_symbolic_sizes_strides)
+
+
+def _dense_layout(t: torch.Tensor) -> bool:
+    """Whether ``t`` has contiguous strides, or channels-last ones without a dimension of size 1 (whose stride
+    could be any): an elementwise op's output then has ``t``'s strides."""
+    stride = t.stride()
+    if stride == torch._prims_common.make_contiguous_strides_for(t.shape):
+        return True
+    return t.dim() == 4 and 1 not in t.shape and stride == torch._prims_common.make_channels_last_strides_for(t.shape)
 
 
 # a tensor's own layout (FakeTensor.layout's, past its mkldnn check)
@@ -108,12 +144,21 @@ class FakeMode(FakeTensorMode):
         rnn = _CUDNN_RNN_KERNELS.get(func)
         if rnn is not None:  # cuDNN's RNN ops: torch has no fake kernel with their sizes (cudnn_rnn.py)
             return rnn(self, args, kwargs)
-        if func is _UNSAFE_VIEW and self.shortcuts.views:
+        if func in _VIEWS and self.shortcuts.views:
             out = self._unsafe_view(args, kwargs)
             if out is not NotImplemented:
                 return out
         if func in _SPLITS and self.shortcuts.views:
             out = self._split(func, args, kwargs)
+            if out is not NotImplemented:
+                return out
+        keywords = _POINTWISE.get(func)
+        if keywords is not None and self.shortcuts.pointwise:
+            out = self._pointwise(args, kwargs, keywords)
+            if out is not NotImplemented:
+                return out
+        if func in _LIFTS and self.shortcuts.lift:
+            out = self._lift_scalar(args, kwargs)
             if out is not NotImplemented:
                 return out
         if func in _BATCH_NORM_OPS and self.shortcuts.batch_norm:
@@ -167,6 +212,65 @@ class FakeMode(FakeTensorMode):
         t.__dict__["_fake_device"] = device
         t.__dict__["fake_mode"] = self
         return t
+
+    def _pointwise(self, args, kwargs, keywords):
+        """An elementwise op of ``_POINTWISE`` on floating-point tensors of one shape, dtype and strides (contiguous,
+        or channels-last: ``_dense_layout``), as torch's reference kernel makes its output: a new tensor like
+        them (no type promotion, no broadcast, no strides to choose). NotImplemented when unsure: any other
+        tensor (a scalar one, a view with other strides, an integer one), a number that is not a plain int or
+        float, another keyword."""
+        if not kwargs.keys() <= keywords:
+            return NotImplemented
+        first = None
+        for a in args:
+            kind = type(a)
+            if kind is int or kind is float:
+                continue
+            if kind is not FakeTensor or not _plain_fake(self, a) or not a.is_floating_point() \
+                    or not _normal(a.device) or a.is_conj() or a.is_neg():
+                return NotImplemented
+            if first is None:
+                if not _dense_layout(a):
+                    return NotImplemented
+                first = a
+            elif a.shape != first.shape or a.stride() != first.stride() or a.dtype != first.dtype \
+                    or a.device != first.device:
+                return NotImplemented
+        if first is None or not all(type(v) in (int, float, str) for v in kwargs.values()):
+            return NotImplemented
+        return self._new(first.shape, first.stride(), first.dtype, first.device)
+
+    def _lift_scalar(self, args, kwargs):
+        """``torch.tensor(x)``'s lift of a real 0-d CPU tensor into this mode as torch's path makes it
+        (``_dispatch_impl``'s constant propagation, then ``from_real_tensor(copy, make_constant=True)``): a fake
+        tensor whose constant is a copy of the value, memoized for that copy (an in-place op on the constant
+        gives back this tensor), its Python number kept where torch keeps one, its storage mapped to it; without
+        converting the copy through ``meta_utils`` (about 0.3 ms a call: Adam's first step lifts one step
+        counter per parameter, about a tenth of a ResNet-50 simulation). NotImplemented when unsure: more than
+        one element, a tensor that is not plain, symbolic shapes, export, a tracing context, a debug trace."""
+        if kwargs or len(args) != 1:
+            return NotImplemented
+        t = args[0]
+        if not (_is_plain_tensor(t) and t.dim() == 0 and t.device.type == "cpu") or t.requires_grad \
+                or t.is_conj() or t.is_neg() or t.is_inference() or self.shape_env is not None \
+                or self.fake_tensor_converter.export or FakeTensorConfig.debug \
+                or torch._guards.TracingContext.try_get() is not None:
+            return NotImplemented
+        with no_dispatch():
+            constant = t.clone()
+        with torch._C._DisableTorchDispatch():
+            empty = torch.empty_strided((), (), dtype=t.dtype, device="meta")
+        fake = self._fresh(empty, t.device)
+        fake.constant = constant
+        converter = self.fake_tensor_converter
+        converter.set_tensor_memo(constant, fake)
+        if t.dtype in _ITEM_MEMO_DTYPES:
+            with no_dispatch():
+                value = constant.item()
+            if not (math.isnan(value) or math.isinf(value)):
+                fake.item_memo = value
+        converter.add_constant_storage_mapping(fake)
+        return fake
 
     def _unsafe_view(self, args, kwargs):
         """``_unsafe_view(x, shape)`` of a contiguous ``x`` as torch's fake kernel makes it (``_view_meta``):
@@ -227,7 +331,10 @@ class FakeMode(FakeTensorMode):
         return self._fresh(empty, x.device)
 
     def _new(self, shape, stride, dtype, device) -> FakeTensor:
-        return FakeTensor(self, torch.empty_strided(shape, stride, dtype=dtype, device="meta"), device)
+        """A new fake tensor of this mode (``_fresh`` where the device is one it keeps as it is)."""
+        with torch._C._DisableTorchDispatch():
+            empty = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+        return self._fresh(empty, device) if _normal(device) else FakeTensor(self, empty, device)
 
     def _cudnn_batch_norm(self, func, args, kwargs):
         """cuDNN batch norm's outputs as torch's fake kernel makes them, without running its Python
