@@ -364,6 +364,54 @@ def _pointwise(fast: bool) -> list:
                                     out.fake_mode is mode, out.untyped_storage().nbytes(),
                                     any(torch._C._is_alias_of(out, a) for a in args),
                                     sorted(((k, v) for k, v in out.__dict__.items() if k != "fake_mode"), key=str)))
+        cast = aten._to_copy.default
+        for kwargs in ({"dtype": torch.bfloat16}, {"dtype": torch.float32}, {}, {"dtype": torch.float16, "layout":
+                       torch.strided, "device": torch.device("cuda", 0), "memory_format": torch.preserve_format},
+                       {"dtype": torch.int64}, {"dtype": torch.bfloat16, "device": torch.device("cpu")},
+                       {"dtype": torch.bfloat16, "memory_format": torch.contiguous_format},
+                       {"dtype": torch.bfloat16, "non_blocking": True}):
+            for x, *_ in inputs(torch.float32) + [(torch.empty(3, 1, 4, device="cuda").transpose(0, 2),),
+                                                  (torch.empty(5, 5, device="cuda")[:, ::2],)]:
+                try:
+                    out = cast(x, **kwargs)
+                except Exception as exc:
+                    got.append(("_to_copy", type(exc).__name__, str(exc)))
+                    continue
+                got.append(("_to_copy", type(out), out.shape, out.stride(), out.dtype, out.device, out.requires_grad,
+                            out._is_view(), str(torch._C._dispatch_keys(out)), out.untyped_storage().nbytes(),
+                            torch._C._is_alias_of(out, x),
+                            sorted(((k, v) for k, v in out.__dict__.items() if k != "fake_mode"), key=str)))
+        logits = [torch.empty(6, 10, device="cuda", dtype=dtype) for dtype in (torch.float32, torch.bfloat16,
+                                                                                torch.float16)]
+        logits += [torch.empty(10, 6, device="cuda").t(), torch.empty(2, 3, 10, device="cuda"),
+                   torch.empty(10, device="cuda")]
+        for x in logits:
+            n = x.shape[0] if x.dim() > 1 else 1
+            targets = [torch.empty(shape, dtype=dtype, device="cuda")
+                       for shape, dtype in (((n,), torch.int64), ((n,), torch.int32), ((n + 1,), torch.int64),
+                                            ((), torch.int64))]
+            calls = [(aten._log_softmax.default, (x, 1, False)), (aten._log_softmax.default, (x, -1, True))]
+            for target in targets:
+                for weight in (None, torch.empty(10, device="cuda")):
+                    for reduction in (0, 1, 2):
+                        calls.append((aten.nll_loss_forward.default, (x, target, weight, reduction, -100)))
+                        for g in (torch.empty((), device="cuda", dtype=x.dtype), torch.empty(n, device="cuda")):
+                            total = torch.empty((), device="cuda", dtype=x.dtype)
+                            calls.append((aten.nll_loss_backward.default,
+                                          (g, x, target, weight, reduction, -100, total)))
+            for out in (torch.empty_like(x), torch.empty(x.shape, device="cuda", dtype=torch.float32)):
+                for dtype in (x.dtype, torch.float32):
+                    calls.append((aten._log_softmax_backward_data.default, (torch.empty_like(x), out, 1, dtype)))
+            for op, args in calls:
+                try:
+                    outs = op(*args)
+                except Exception as exc:
+                    got.append((str(op), type(exc).__name__, str(exc)))
+                    continue
+                for out in outs if isinstance(outs, tuple) else (outs,):
+                    got.append((str(op), type(out), out.shape, out.stride(), out.dtype, out.device,
+                                out.untyped_storage().nbytes(), str(torch._C._dispatch_keys(out)),
+                                sorted(((k, v) for k, v in out.__dict__.items() if k != "fake_mode"), key=str)))
     return got
 
 

@@ -58,7 +58,8 @@ class Shortcuts:
     ``torch.tensor``'s lift of a real CPU scalar (Adam's step counters, one per parameter) made a fake tensor
     with its constant directly, not converted through ``meta_utils``. ``pointwise``: the elementwise ops of
     ``_POINTWISE`` on tensors of one shape, dtype and contiguous strides (activations and their gradients, the
-    products of a norm), made like their inputs without torch's Python references.
+    products of a norm), made like their inputs without torch's Python references, and ``_to_copy`` to another
+    dtype on the same device (autocast's casts) of a dense tensor.
     """
 
     foreach: bool = True
@@ -101,6 +102,10 @@ _POINTWISE = {op: keywords for ops, keywords in (
     ((aten.add.Tensor,), frozenset({"alpha"})),
     ((aten.gelu.default, aten.gelu_backward.default), frozenset({"approximate"})),
 ) for op in ops}
+_TO_COPY = aten._to_copy.default
+# cross entropy's four ops (log-softmax, NLL loss, their backwards): once a step each, ~15 ms of Python references
+_CROSS_ENTROPY = frozenset({aten._log_softmax.default, aten._log_softmax_backward_data.default,
+                            aten.nll_loss_forward.default, aten.nll_loss_backward.default})
 _LIFTS = frozenset({torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default})
 # the dtypes of a 0-d CPU constant whose value torch also keeps as a Python number (``item_memo``,
 # FakeTensorConverter.from_real_tensor in torch 2.14)
@@ -155,6 +160,14 @@ class FakeMode(FakeTensorMode):
         keywords = _POINTWISE.get(func)
         if keywords is not None and self.shortcuts.pointwise:
             out = self._pointwise(args, kwargs, keywords)
+            if out is not NotImplemented:
+                return out
+        if func in _CROSS_ENTROPY and self.shortcuts.pointwise:
+            out = self._cross_entropy(func, args, kwargs)
+            if out is not NotImplemented:
+                return out
+        if func is _TO_COPY and self.shortcuts.pointwise:
+            out = self._cast(args, kwargs)
             if out is not NotImplemented:
                 return out
         if func in _LIFTS and self.shortcuts.lift:
@@ -239,6 +252,63 @@ class FakeMode(FakeTensorMode):
         if first is None or not all(type(v) in (int, float, str) for v in kwargs.values()):
             return NotImplemented
         return self._new(first.shape, first.stride(), first.dtype, first.device)
+
+    def _cast(self, args, kwargs):
+        """``_to_copy(x, dtype=...)`` on ``x``'s own device (autocast's casts, ``.float()``) of a dense ``x``, as
+        torch makes it: a new tensor with ``x``'s strides (``empty_like``'s ``preserve_format``) and the dtype
+        asked for. NotImplemented when unsure: another device, layout or memory format, pinned memory, a
+        tensor that is not dense or not plain."""
+        if len(args) != 1 or not kwargs.keys() <= {"dtype", "layout", "device", "pin_memory", "non_blocking",
+                                                    "memory_format"}:
+            return NotImplemented
+        x = args[0]
+        if not (_plain_fake(self, x) and _normal(x.device)) or x.is_conj() or x.is_neg() \
+                or not is_non_overlapping_and_dense(x):
+            return NotImplemented
+        dtype = kwargs.get("dtype") or x.dtype
+        if not isinstance(dtype, torch.dtype) or kwargs.get("layout") not in (None, torch.strided) \
+                or kwargs.get("device") not in (None, x.device) or kwargs.get("pin_memory") \
+                or kwargs.get("non_blocking") or kwargs.get("memory_format") not in (None, torch.preserve_format):
+            return NotImplemented
+        return self._new(x.shape, x.stride(), dtype, x.device)
+
+    def _cross_entropy(self, func, args, kwargs):
+        """Cross entropy's ops as torch's references make their outputs, for the usual case: logits of shape
+        (N, C) with contiguous strides, N int64 targets, no class weights, a mean or summed loss. Log-softmax
+        and the gradients are like the logits (in float32 for ``half_to_float``, in the input's dtype backward);
+        the loss and the total weight are scalars of the logits' dtype. NotImplemented otherwise."""
+        if kwargs:
+            return NotImplemented
+        x = args[0] if func is not aten.nll_loss_backward.default else args[1]
+        if not (type(x) is FakeTensor and _plain_fake(self, x) and _normal(x.device)) or x.dim() != 2 \
+                or not x.is_floating_point() or x.is_conj() or x.is_neg() \
+                or x.stride() != torch._prims_common.make_contiguous_strides_for(x.shape):
+            return NotImplemented
+        if func is aten._log_softmax.default:
+            if len(args) != 3 or type(args[1]) is not int or type(args[2]) is not bool \
+                    or args[2] and x.dtype != torch.float16:  # half_to_float of anything else: torch's error
+                return NotImplemented
+            return self._new(x.shape, x.stride(), torch.float32 if args[2] else x.dtype, x.device)
+        if func is aten._log_softmax_backward_data.default:
+            out = args[1]
+            if len(args) != 4 or type(args[2]) is not int or not isinstance(args[3], torch.dtype) \
+                    or not (type(out) is FakeTensor and _plain_fake(self, out)) or out.shape != x.shape \
+                    or out.stride() != x.stride() or out.dtype != x.dtype or out.device != x.device:
+                return NotImplemented
+            return self._new(x.shape, x.stride(), args[3], x.device)
+        forward = func is aten.nll_loss_forward.default
+        target, weight, reduction, ignore = args[1:5] if forward else args[2:6]
+        if len(args) != (5 if forward else 7) or weight is not None or reduction not in (1, 2) \
+                or type(ignore) is not int or not (type(target) is FakeTensor and _plain_fake(self, target)) \
+                or target.dtype != torch.int64 or target.shape != x.shape[:1] or target.device != x.device:
+            return NotImplemented
+        if forward:
+            return self._new((), (), x.dtype, x.device), self._new((), (), x.dtype, x.device)
+        grad, total = args[0], args[6]
+        if not all(type(t) is FakeTensor and _plain_fake(self, t) and t.shape == () and t.dtype == x.dtype
+                   and t.device == x.device for t in (grad, total)):
+            return NotImplemented
+        return self._new(x.shape, x.stride(), x.dtype, x.device)
 
     def _lift_scalar(self, args, kwargs):
         """``torch.tensor(x)``'s lift of a real 0-d CPU tensor into this mode as torch's path makes it
