@@ -52,6 +52,29 @@ def test_failure_and_timeout_give_none_and_leave_no_child() -> None:
     assert not _alive(pid)
 
 
+def test_a_value_comes_back_before_its_child_has_exited_and_the_child_is_reaped() -> None:
+    """``result`` does not wait while the child exits (unmapping a warm process's memory takes tens of ms); a later
+    call reaps it, so no zombie piles up in a long-lived worker."""
+    pids = []
+    for i in range(5):
+        job = Background(lambda i=i: i * i)
+        pids.append(job.pid)
+        assert job.result(timeout=30) == i * i
+    deadline = time.monotonic() + 30
+    while background._exiting and time.monotonic() < deadline:
+        time.sleep(0.05)
+        background._reap()
+    assert not background._exiting
+    for pid in pids:
+        with pytest.raises(ChildProcessError):  # reaped already: no longer this process's child
+            os.waitpid(pid, os.WNOHANG)
+    assert Background(pickle_fails).result(timeout=30) is None  # nothing written: None, as before
+
+
+def pickle_fails():
+    return lambda: None  # a lambda does not pickle: the child writes nothing
+
+
 def test_a_child_still_working_is_waited_for() -> None:
     """The timeout counts only while the child uses no CPU: one computing past it comes back (the caller would
     start the same work over); one asleep that long is stuck."""

@@ -39,6 +39,7 @@ STUCK_S = 5.0
 # this process's children not yet collected or closed (weakly: one dropped unclosed is killed by __del__)
 _jobs: weakref.WeakSet[Background] = weakref.WeakSet()
 _in_child = False  # this process is itself a Background child
+_exiting: set[int] = set()  # children whose value came back, not reaped yet (``_reap``)
 
 
 def enabled() -> bool:
@@ -53,6 +54,7 @@ class Background:
     def __init__(self, fn: Callable[[], Any]) -> None:
         self.pid: int | None = None
         self.fd: int | None = None
+        _reap()
         parent = os.getpid()
         read, write = os.pipe()
         with warnings.catch_warnings():
@@ -92,11 +94,13 @@ class Background:
             with os.fdopen(self.fd, "rb") as src:
                 self.fd = None
                 data = src.read()
-            _, status = os.waitpid(self.pid, 0)
+            # the value is complete once the pipe closes (a child that failed wrote nothing, one killed while
+            # writing left a truncated pickle, which does not load): not waited for while it exits, which
+            # unmaps the warm process's memory (~20-40 ms), but reaped by a later call (``_reap``)
+            _exiting.add(self.pid)
             self.pid = None
-            if status != 0 or not data:
-                return None
-            return pickle.loads(data)
+            _reap()
+            return pickle.loads(data) if data else None
         except Exception:  # noqa: BLE001 - the caller computes the value itself
             return None
         finally:
@@ -137,6 +141,17 @@ class Background:
             self.close()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
+
+
+def _reap() -> None:
+    """Reap the children in ``_exiting`` that have exited (none waited for)."""
+    for pid in list(_exiting):
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            done = pid  # reaped elsewhere
+        if done:
+            _exiting.discard(pid)
 
 
 def spare_core() -> bool:
