@@ -278,8 +278,8 @@ def test_beside_a_recommendation_probe_the_multiple_of_8_it_would_take_is_guesse
 
 def test_the_recommendations_replays_run_while_the_top_check_simulates(monkeypatch) -> None:
     """On several cards the top check simulates beside the replays: the replays each card's recommendation
-    searches by (its headroom's capacity) run before the check is collected, none again after it, and the
-    answer and the replays run are those of the order without it."""
+    searches by (its headroom's capacity) and its memory curve's run before the check is collected, none again
+    after it, and the answer and the replays run are those of the order without it."""
     import estimator.plan.replays as replays
     from estimator.plan import strategy
     from estimator.plan.results import to_json
@@ -313,3 +313,5 @@ def test_the_recommendations_replays_run_while_the_top_check_simulates(monkeypat
     assert sorted(ahead, key=str) == sorted(run, key=str)  # the same replays, in another order
     headroom = [cap for what, cap in ahead if what == "replay" and cap is not None and cap not in capacities]
     assert headroom and not [cap for what, cap in after_check if what == "replay" and cap in headroom]
+    # the memory curves' replays ran before it too (five replays after the check without them): one is left
+    assert len([what for what, _ in after_check if what == "replay"]) == 1

@@ -98,7 +98,8 @@ def answer_at(steps: Steps, cards: list[GPU], options: PlanOptions, start: int, 
     results: list[GPUResult] = []
     shown: MemoryReport | None = None
     gap = 2  # the headroom searches', as in the max's replay searches
-    found = max_batches(steps, cards, start, options.confirm, notes, Recommending(options.headroom, options.align))
+    ahead = Recommending(options.headroom, options.align, options.advice.curve_points)
+    found = max_batches(steps, cards, start, options.confirm, notes, ahead)
     for card, (best, how) in zip(cards, found, strict=True):
         report = steps.report(batch_size or best or start, card, exact=False)
         if batch_size is not None and not report.fits:

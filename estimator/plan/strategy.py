@@ -15,6 +15,7 @@ from collections.abc import Hashable
 
 from estimator.gpus import GPU
 from estimator.options import MAX_BATCH, ConfirmMode
+from estimator.plan.advice import curve_batches
 from estimator.plan.notes import Notes
 from estimator.plan.periodic import NotPeriodic
 from estimator.plan.results import Search, SearchMethod, WarningCode
@@ -32,6 +33,7 @@ class Recommending:
 
     headroom: float
     align: bool = True
+    curve_points: int = 0  # each card's memory curve (``advise``): its batches' replays run ahead too
 
 
 def max_batches(steps: Steps, cards: list[GPU], start: int, confirm: ConfirmMode,
@@ -103,9 +105,10 @@ def _search_group(steps: Steps, cards: list[GPU], start: int, confirm: ConfirmMo
 
 def _while_checking(steps: Steps, profile: Fitted, cards: list[GPU], start: int, bests: list[int],
                     ahead: Recommending) -> None:
-    """The replays of ``profile`` that each card's recommendation (``recommend``) searches by, run while the top
-    check simulates in a child: cached, they answer ``recommend`` at once once the check holds (the same
-    replays, so the same answers; wasted where it does not). Only replays: nothing here may simulate."""
+    """The replays of ``profile`` that each card's recommendation (``recommend``) searches by, and its memory
+    curve's, run while the top check simulates in a child: cached, they answer ``recommend`` and ``advise`` at
+    once once the check holds (the same replays, so the same answers; wasted where it does not). Only replays:
+    nothing here may simulate."""
     if profile.min_batch > start + 1:
         return  # recommend searches otherwise
     gap = 2
@@ -119,6 +122,12 @@ def _while_checking(steps: Steps, profile: Fitted, cards: list[GPU], start: int,
         aligned = recommended(room, ahead.align)
         if aligned is not None and aligned != room:  # the multiple of 8 it asks about first
             steps.replay(profile, aligned, shrunk)
+    if ahead.curve_points:  # each card's curve (``advise``): the points below its max, where no full step is known
+        for card, best in zip(cards, bests, strict=True):
+            simulated = steps.simulated(card)
+            for b in curve_batches(start, best, ahead.curve_points):
+                if b not in simulated:
+                    steps.replay(profile, b, card)
 
 
 def _replay_searches(steps: Steps, profile: Fitted, cards: list[GPU], start: int) -> list[int]:
