@@ -448,3 +448,85 @@ def test_pointwise_and_lift_shortcuts(model, inp, precision, monkeypatch) -> Non
     assert taken[0] >= 4
     _same(fast, record_training(b.factory, b.batch_factory, b.loss_fn, 3, recipe, A100,
                                 shortcuts=Shortcuts(pointwise=False, lift=False)))
+
+
+def _convolutions(fast: bool) -> list:
+    """What ``convolution`` and ``convolution_backward`` give with the shortcut on or off: for the inputs it takes
+    (2-d, dense, no dimension of size 1, contiguous or channels-last, grouped, strided, dilated, padded, with or
+    without a bias, each output mask) and those it leaves to torch (1x1 kernels, a batch of one, a 1x1 output,
+    mixed dtypes, transposed), their outputs' state or torch's error."""
+    from estimator.simulate.virtual_gpu.fake_mode import FakeMode
+
+    mode = FakeMode(shortcuts=Shortcuts(convolution=fast))
+    conv, backward = aten.convolution.default, aten.convolution_backward.default
+    cl = torch.channels_last
+    got: list = []
+    with mode:
+        def t(*shape, dtype=torch.float32, fmt=torch.contiguous_format):
+            return torch.empty(*shape, device="cuda", dtype=dtype).to(memory_format=fmt)
+
+        cases = []
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            for xf, wf in ((torch.contiguous_format,) * 2, (cl, cl), (cl, torch.contiguous_format),
+                           (torch.contiguous_format, cl)):
+                for n, c, size, o, k, stride, pad, dil, groups in (
+                        (2, 4, 8, 6, 3, 1, 1, 1, 1), (3, 4, 9, 6, 3, 2, 1, 1, 2), (2, 4, 12, 8, 3, 1, 2, 2, 4),
+                        (2, 4, 8, 6, 1, 1, 0, 1, 1), (1, 4, 8, 6, 3, 1, 1, 1, 1), (2, 4, 3, 6, 3, 1, 0, 1, 1),
+                        (2, 6, 10, 4, 5, 2, 2, 1, 1)):
+                    x, w = t(n, c, size, size, dtype=dtype, fmt=xf), t(o, c // groups, k, k, dtype=dtype, fmt=wf)
+                    for bias in (None, t(o, dtype=dtype)):
+                        cases.append((conv, (x, w, bias, [stride] * 2, [pad] * 2, [dil] * 2, False, [0, 0], groups)))
+                    out = (size + 2 * pad - dil * (k - 1) - 1) // stride + 1
+                    g = t(n, o, out, out, dtype=dtype, fmt=xf) if out > 0 else t(n, o, 1, 1, dtype=dtype)
+                    for mask in ([True, True, True], [False, True, False], [True, True, False]):
+                        for sizes in ([o], [0], None):
+                            cases.append((backward, (g, x, w, sizes, [stride] * 2, [pad] * 2, [dil] * 2, False, [0, 0],
+                                                     groups, mask)))
+        x, w = t(2, 4, 8, 8), t(6, 4, 3, 3)
+        cases += [(conv, (x, t(6, 4, 3, 3, dtype=torch.bfloat16), None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)),
+                  (conv, (x, t(4, 6, 3, 3), None, [1, 1], [1, 1], [1, 1], True, [0, 0], 1)),
+                  (conv, (x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 3)),
+                  (conv, (x[:, :, ::2], w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1))]
+        for op, args in cases:
+            try:
+                outs = op(*args)
+            except Exception as exc:  # torch's own error, from either path
+                got.append((str(op), type(exc).__name__, str(exc)))
+                continue
+            for out in outs if isinstance(outs, tuple) else (outs,):
+                got.append(None if out is None else (
+                    str(op), type(out), out.shape, out.stride(), out.dtype, out.device, out.untyped_storage().nbytes(),
+                    str(torch._C._dispatch_keys(out)),
+                    sorted(((k, v) for k, v in out.__dict__.items() if k != "fake_mode"), key=str)))
+    return got
+
+
+def test_a_convolution_shortcut_gives_what_torch_gives(monkeypatch) -> None:
+    """Each convolution's outputs (shapes, strides: the memory format; dtype, storage, state) or error is torch's
+    own; the shortcut answers most of the cases."""
+    from estimator.simulate.virtual_gpu.fake_mode import FakeMode
+
+    taken = [0]
+    original = FakeMode._convolution
+
+    def counted(self, *args):
+        out = original(self, *args)
+        taken[0] += out is not NotImplemented
+        return out
+
+    monkeypatch.setattr(FakeMode, "_convolution", counted)
+    fast = _convolutions(True)
+    assert taken[0] > 150
+    assert fast == _convolutions(False)
+
+
+@pytest.mark.parametrize("model, precision", [("resnet18", "fp32"), ("resnet18", "amp-bf16"),
+                                              ("mobilenet_v3_small", "amp-fp16")])
+def test_convolution_shortcut(model, precision) -> None:
+    """A CNN's step with its convolutions made by the shortcut: the same as torch's own path."""
+    b = build_request(parse_request({"model": {"source": "torchvision", "name": model},
+                                     "input": {"image_size": [3, 64, 64]}}))
+    recipe = Recipe(precision=precision)
+    fast = record_training(b.factory, b.batch_factory, b.loss_fn, 3, recipe, A100)
+    _same(fast, record_training(b.factory, b.batch_factory, b.loss_fn, 3, recipe, A100,
+                                shortcuts=Shortcuts(convolution=False)))

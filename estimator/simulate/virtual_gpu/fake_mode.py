@@ -59,7 +59,9 @@ class Shortcuts:
     with its constant directly, not converted through ``meta_utils``. ``pointwise``: the elementwise ops of
     ``_POINTWISE`` on tensors of one shape, dtype and contiguous strides (activations and their gradients, the
     products of a norm), made like their inputs without torch's Python references, and ``_to_copy`` to another
-    dtype on the same device (autocast's casts) of a dense tensor.
+    dtype on the same device (autocast's casts) of a dense tensor. ``convolution``: a 2-d convolution and its
+    backward whose tensors have no dimension of size 1, their outputs in the memory format torch's own
+    functions choose for them.
     """
 
     foreach: bool = True
@@ -70,6 +72,7 @@ class Shortcuts:
     foreach_sharding: bool = True
     lift: bool = True
     pointwise: bool = True
+    convolution: bool = True
 
 
 # what FakeTensor.__new__ sets on a new fake tensor of an op's output besides its device and mode (torch 2.14): no
@@ -103,6 +106,7 @@ _POINTWISE = {op: keywords for ops, keywords in (
     ((aten.gelu.default, aten.gelu_backward.default), frozenset({"approximate"})),
 ) for op in ops}
 _TO_COPY = aten._to_copy.default
+_CONVOLUTIONS = frozenset({aten.convolution.default, aten.convolution_backward.default})
 # cross entropy's four ops (log-softmax, NLL loss, their backwards): once a step each, ~15 ms of Python references
 _CROSS_ENTROPY = frozenset({aten._log_softmax.default, aten._log_softmax_backward_data.default,
                             aten.nll_loss_forward.default, aten.nll_loss_backward.default})
@@ -160,6 +164,10 @@ class FakeMode(FakeTensorMode):
         keywords = _POINTWISE.get(func)
         if keywords is not None and self.shortcuts.pointwise:
             out = self._pointwise(args, kwargs, keywords)
+            if out is not NotImplemented:
+                return out
+        if func in _CONVOLUTIONS and self.shortcuts.convolution:
+            out = self._convolution(func, args, kwargs)
             if out is not NotImplemented:
                 return out
         if func in _CROSS_ENTROPY and self.shortcuts.pointwise:
@@ -271,6 +279,74 @@ class FakeMode(FakeTensorMode):
                 or kwargs.get("non_blocking") or kwargs.get("memory_format") not in (None, torch.preserve_format):
             return NotImplemented
         return self._new(x.shape, x.stride(), dtype, x.device)
+
+    def _convolution(self, func, args, kwargs):
+        """``convolution`` and ``convolution_backward`` of a 2-d convolution (not transposed) as torch's fake kernel
+        makes their outputs: the output's size by the usual formula, the gradients the input's and weight's, all
+        in the memory format ``_select_conv_backend`` and ``_conv_determine_backend_memory_format`` give (called as
+        torch's kernel calls them); the bias gradient of ``bias_sizes``. Only where the input, the output and the
+        output's gradient have no dimension of size 1 (whose stride torch's kernel might leave as it comes; a 1x1
+        kernel's weight is followed as torch makes it) and all are dense, of one floating dtype and device: a few
+        hundred µs to 1 ms a call for each new batch's shapes. NotImplemented otherwise."""
+        backward = func is aten.convolution_backward.default
+        if kwargs or len(args) != (11 if backward else 9):
+            return NotImplemented
+        if backward:
+            grad, x, w, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, mask = args
+            bias = None
+        else:
+            x, w, bias, stride, padding, dilation, transposed, output_padding, groups = args
+            grad, bias_sizes, mask = None, None, None
+        tensors = [t for t in (grad, x, w) if t is not None]
+        if not all(type(t) is FakeTensor and _plain_fake(self, t) and _normal(t.device) and t.dim() == 4
+                   and 0 not in t.shape and t.is_floating_point() and not t.is_conj() and not t.is_neg()
+                   and is_non_overlapping_and_dense(t) and t.dtype == x.dtype and t.device == x.device
+                   for t in tensors) or 1 in x.shape:
+            return NotImplemented
+        if bias is not None and not (type(bias) is FakeTensor and _plain_fake(self, bias) and bias.dim() == 1
+                                     and bias.dtype == x.dtype and bias.device == x.device):
+            return NotImplemented
+        pairs = (stride, padding, dilation, output_padding)
+        if transposed is not False or type(groups) is not int or groups < 1 \
+                or not all(isinstance(p, (list, tuple)) and len(p) == 2 and all(type(v) is int for v in p)
+                           for p in pairs) \
+                or min(stride) < 1 or min(dilation) < 1 or min(padding) < 0 or any(output_padding):
+            return NotImplemented
+        (n, c, h, wd), (o, cg, kh, kw) = x.shape, w.shape
+        if c != cg * groups or o % groups or (bias is not None and bias.shape != (o,)):
+            return NotImplemented
+        out = (n, o, *((size + 2 * pad - dil * (k - 1) - 1) // st + 1
+                       for size, pad, dil, k, st in zip((h, wd), padding, dilation, (kh, kw), stride, strict=True)))
+        if min(out) < 2:
+            return NotImplemented
+        if backward and (grad.shape != out or not isinstance(mask, (list, tuple)) or len(mask) != 3
+                         or not all(type(m) is bool for m in mask) or not (
+                             bias_sizes is None and not mask[2] or isinstance(bias_sizes, (list, tuple))
+                             and len(bias_sizes) == 1 and type(bias_sizes[0]) is int and bias_sizes[0] >= 0)):
+            return NotImplemented  # (a conv without a bias has bias_sizes [0])
+        select: dict[str, Any] = {"stride": stride, "padding": padding, "dilation": dilation, "transposed": False,
+                                  "output_padding": output_padding, "groups": groups, "bias": bias}
+        if bias is None:
+            select["bias_sizes"] = bias_sizes
+        with self:  # as torch's kernel: the tensors report their fake device
+            backend = torch._C._select_conv_backend(x, w, **select)
+            memory_format = torch._C._conv_determine_backend_memory_format(x, w, backend)
+        if memory_format == torch.contiguous_format:
+            strides = torch._prims_common.make_contiguous_strides_for
+        elif memory_format == torch.channels_last:
+            strides = torch._prims_common.make_channels_last_strides_for
+        else:
+            return NotImplemented
+        device = x.device
+        if not backward:
+            return self._new(out, strides(out), x.dtype, device)
+        # the weight's gradient: made contiguous, then ``.to(memory_format)``, which keeps a tensor already in that
+        # format as it is (a 1x1 kernel's contiguous strides are channels-last ones too): as torch's kernel does
+        with torch._C._DisableTorchDispatch():
+            grad_w = torch.empty(w.shape, dtype=x.dtype, device="meta").to(memory_format=memory_format).stride()
+        return (self._new(x.shape, strides(x.shape), x.dtype, device) if mask[0] else None,
+                self._new(w.shape, grad_w, x.dtype, device) if mask[1] else None,
+                self._new(tuple(bias_sizes), (1,), x.dtype, device) if mask[2] else None)
 
     def _cross_entropy(self, func, args, kwargs):
         """Cross entropy's ops as torch's references make their outputs, for the usual case: logits of shape
