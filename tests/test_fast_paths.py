@@ -33,6 +33,23 @@ def _same(a, b) -> None:
         [(x.nbytes, x.category, x.op, x.phase, x.module) for x in b.allocations]
 
 
+def _count_taken(monkeypatch, shortcut: str) -> list[int]:
+    """How many outputs ``FakeMode.<shortcut>`` makes from now on (counted, not held: holding one would keep its
+    storage alive), in a one-item list the caller reads after."""
+    from estimator.simulate.virtual_gpu.fake_mode import FakeMode
+
+    taken = [0]
+    original = getattr(FakeMode, shortcut)
+
+    def counted(self, *args):
+        out = original(self, *args)
+        taken[0] += out is not NotImplemented
+        return out
+
+    monkeypatch.setattr(FakeMode, shortcut, counted)
+    return taken
+
+
 FOREACH_RECIPES = [
     ("sgd", {"momentum": 0.9}), ("sgd", {"momentum": 0.9, "nesterov": True}), ("adam", {}), ("adam", {"amsgrad": True}),
     ("adamw", {}), ("adamw", {"weight_decay": 0.1}), ("adagrad", {}), ("rmsprop", {"momentum": 0.9, "centered": True}),
@@ -104,17 +121,8 @@ def test_view_shortcuts(model, training, shortcut, monkeypatch) -> None:
     """``_unsafe_view`` and ``split`` made without torch's Python kernels: the same step as torch's own path, on
     transformers (every batched matmul's output is reshaped by ``_unsafe_view``)."""
     from estimator.pipeline import job_of
-    from estimator.simulate.virtual_gpu.fake_mode import FakeMode
 
-    taken = [0]  # outputs the shortcut made (counted, not held: holding one would keep its storage alive)
-    original = getattr(FakeMode, shortcut)
-
-    def counted(self, *args):
-        out = original(self, *args)
-        taken[0] += out is not NotImplemented
-        return out
-
-    monkeypatch.setattr(FakeMode, shortcut, counted)
+    taken = _count_taken(monkeypatch, shortcut)
     request = parse_request({"model": model, "input": {"seq_len": 32}, "training": training})
     job, b = job_of(request), build_request(request)
     fast = record_training(b.factory, b.batch_factory, b.loss_fn, 2, job.recipe, A100)
@@ -303,17 +311,7 @@ def test_a_lifted_scalar_is_what_torch_lifts() -> None:
                                                ("adam", {"amsgrad": True}), ("sgd", {"momentum": 0.9})])
 def test_lift_shortcut(optimizer, kwargs, monkeypatch) -> None:
     """An optimizer's step counters (``torch.tensor(0.0)`` per parameter) lifted by the shortcut: the same step."""
-    from estimator.simulate.virtual_gpu.fake_mode import FakeMode
-
-    taken = [0]
-    original = FakeMode._lift_scalar
-
-    def counted(self, *args):
-        out = original(self, *args)
-        taken[0] += out is not NotImplemented
-        return out
-
-    monkeypatch.setattr(FakeMode, "_lift_scalar", counted)
+    taken = _count_taken(monkeypatch, "_lift_scalar")
     mf, bf, lf = ZOO["conv"]
     recipe = Recipe(optimizer=optimizer, optimizer_kwargs=kwargs, precision="amp-bf16")
     fast = record_training(mf, bf, lf, 4, recipe, A100)
@@ -431,17 +429,7 @@ def test_a_pointwise_shortcut_gives_what_torch_gives() -> None:
 def test_pointwise_and_lift_shortcuts(model, inp, precision, monkeypatch) -> None:
     """Elementwise ops (activations, their gradients, a norm's products) made like their inputs, and the step
     counters lifted without meta_utils: the same step as torch's own paths, on CNNs and transformers."""
-    from estimator.simulate.virtual_gpu.fake_mode import FakeMode
-
-    taken = [0]
-    original = FakeMode._pointwise
-
-    def counted(self, *args):
-        out = original(self, *args)
-        taken[0] += out is not NotImplemented
-        return out
-
-    monkeypatch.setattr(FakeMode, "_pointwise", counted)
+    taken = _count_taken(monkeypatch, "_pointwise")
     b = build_request(parse_request({"model": model, "input": inp}))
     recipe = Recipe(precision=precision)
     fast = record_training(b.factory, b.batch_factory, b.loss_fn, 3, recipe, A100)
@@ -504,17 +492,7 @@ def _convolutions(fast: bool) -> list:
 def test_a_convolution_shortcut_gives_what_torch_gives(monkeypatch) -> None:
     """Each convolution's outputs (shapes, strides: the memory format; dtype, storage, state) or error is torch's
     own; the shortcut answers most of the cases."""
-    from estimator.simulate.virtual_gpu.fake_mode import FakeMode
-
-    taken = [0]
-    original = FakeMode._convolution
-
-    def counted(self, *args):
-        out = original(self, *args)
-        taken[0] += out is not NotImplemented
-        return out
-
-    monkeypatch.setattr(FakeMode, "_convolution", counted)
+    taken = _count_taken(monkeypatch, "_convolution")
     fast = _convolutions(True)
     assert taken[0] > 150
     assert fast == _convolutions(False)

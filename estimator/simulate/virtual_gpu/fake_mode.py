@@ -115,6 +115,16 @@ _LIFTS = frozenset({torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh
 # FakeTensorConverter.from_real_tensor in torch 2.14)
 _ITEM_MEMO_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.float64})
 
+# op -> (the ``Shortcuts`` switch, the ``FakeMode`` method that makes its outputs, NotImplemented when unsure)
+_ROUTES: dict[Any, tuple[str, str]] = {
+    **{op: ("views", "_unsafe_view") for op in _VIEWS}, **{op: ("views", "_split") for op in _SPLITS},
+    **{op: ("pointwise", "_pointwise") for op in _POINTWISE}, _TO_COPY: ("pointwise", "_cast"),
+    **{op: ("pointwise", "_cross_entropy") for op in _CROSS_ENTROPY},
+    **{op: ("convolution", "_convolution") for op in _CONVOLUTIONS},
+    **{op: ("lift", "_lift_scalar") for op in _LIFTS},
+    **{op: ("batch_norm", "_cudnn_batch_norm") for op in _BATCH_NORM_OPS},
+}
+
 
 def _plain_fake(mode, t) -> bool:
     """A strided fake tensor of ``mode`` on the device, without a constant or symbolic sizes."""
@@ -153,37 +163,9 @@ class FakeMode(FakeTensorMode):
         rnn = _CUDNN_RNN_KERNELS.get(func)
         if rnn is not None:  # cuDNN's RNN ops: torch has no fake kernel with their sizes (cudnn_rnn.py)
             return rnn(self, args, kwargs)
-        if func in _VIEWS and self.shortcuts.views:
-            out = self._unsafe_view(args, kwargs)
-            if out is not NotImplemented:
-                return out
-        if func in _SPLITS and self.shortcuts.views:
-            out = self._split(func, args, kwargs)
-            if out is not NotImplemented:
-                return out
-        keywords = _POINTWISE.get(func)
-        if keywords is not None and self.shortcuts.pointwise:
-            out = self._pointwise(args, kwargs, keywords)
-            if out is not NotImplemented:
-                return out
-        if func in _CONVOLUTIONS and self.shortcuts.convolution:
-            out = self._convolution(func, args, kwargs)
-            if out is not NotImplemented:
-                return out
-        if func in _CROSS_ENTROPY and self.shortcuts.pointwise:
-            out = self._cross_entropy(func, args, kwargs)
-            if out is not NotImplemented:
-                return out
-        if func is _TO_COPY and self.shortcuts.pointwise:
-            out = self._cast(args, kwargs)
-            if out is not NotImplemented:
-                return out
-        if func in _LIFTS and self.shortcuts.lift:
-            out = self._lift_scalar(args, kwargs)
-            if out is not NotImplemented:
-                return out
-        if func in _BATCH_NORM_OPS and self.shortcuts.batch_norm:
-            out = self._cudnn_batch_norm(func, args, kwargs)
+        route = _ROUTES.get(func)
+        if route is not None and getattr(self.shortcuts, route[0]):
+            out = getattr(self, route[1])(func, args, kwargs)
             if out is not NotImplemented:
                 return out
         if func.__name__.startswith("_foreach_"):
@@ -234,13 +216,13 @@ class FakeMode(FakeTensorMode):
         t.__dict__["fake_mode"] = self
         return t
 
-    def _pointwise(self, args, kwargs, keywords):
+    def _pointwise(self, func, args, kwargs):
         """An elementwise op of ``_POINTWISE`` on floating-point tensors of one shape, dtype and strides (contiguous,
         or channels-last: ``_dense_layout``), as torch's reference kernel makes its output: a new tensor like
         them (no type promotion, no broadcast, no strides to choose). NotImplemented when unsure: any other
         tensor (a scalar one, a view with other strides, an integer one), a number that is not a plain int or
         float, another keyword."""
-        if not kwargs.keys() <= keywords:
+        if not kwargs.keys() <= _POINTWISE[func]:
             return NotImplemented
         first = None
         for a in args:
@@ -261,7 +243,7 @@ class FakeMode(FakeTensorMode):
             return NotImplemented
         return self._new(first.shape, first.stride(), first.dtype, first.device)
 
-    def _cast(self, args, kwargs):
+    def _cast(self, func, args, kwargs):
         """``_to_copy(x, dtype=...)`` on ``x``'s own device (autocast's casts, ``.float()``) of a dense ``x``, as
         torch makes it: a new tensor with ``x``'s strides (``empty_like``'s ``preserve_format``) and the dtype
         asked for. NotImplemented when unsure: another device, layout or memory format, pinned memory, a
@@ -386,7 +368,7 @@ class FakeMode(FakeTensorMode):
             return NotImplemented
         return self._new(x.shape, x.stride(), x.dtype, x.device)
 
-    def _lift_scalar(self, args, kwargs):
+    def _lift_scalar(self, func, args, kwargs):
         """``torch.tensor(x)``'s lift of a real 0-d CPU tensor into this mode as torch's path makes it
         (``_dispatch_impl``'s constant propagation, then ``from_real_tensor(copy, make_constant=True)``): a fake
         tensor whose constant is a copy of the value, memoized for that copy (an in-place op on the constant
@@ -418,7 +400,7 @@ class FakeMode(FakeTensorMode):
         converter.add_constant_storage_mapping(fake)
         return fake
 
-    def _unsafe_view(self, args, kwargs):
+    def _unsafe_view(self, func, args, kwargs):
         """``_unsafe_view(x, shape)`` of a contiguous ``x`` as torch's fake kernel makes it (``_view_meta``):
         ``x``'s storage at its offset, contiguous strides, not a view (its own version counter), without the
         Python reshape helper and the dispatch cache's bypass (about 0.5 ms a call). NotImplemented when unsure."""
