@@ -341,11 +341,13 @@ def _pointwise(fast: bool) -> list:
                     (torch.empty(2, 3, 4, 5, device="cuda", dtype=dtype).to(memory_format=torch.channels_last),
                      torch.empty(2, 3, 4, 5, device="cuda", dtype=dtype)),
                     (torch.empty(2, 3, 4, 5, device="cuda", dtype=dtype).permute(0, 2, 1, 3),) * 2,
+                    (torch.empty(2, 3, 0, 5, device="cuda", dtype=dtype).to(memory_format=torch.channels_last),) * 2,
+                    (torch.empty(0, 3, 4, 5, device="cuda", dtype=dtype),) * 2,
                     (torch.empty(4, 6, 8, device="cuda", dtype=dtype).requires_grad_(),) * 2]
         extra = {aten.threshold_backward.default: (0,), aten.pow.Tensor_Scalar: (2,), aten.add.Tensor: ()}
         keywords = {aten.add.Tensor: [{}, {"alpha": 2}, {"alpha": 0.5}],
-                    aten.gelu.default: [{}, {"approximate": "tanh"}],
-                    aten.gelu_backward.default: [{}, {"approximate": "tanh"}]}
+                    aten.gelu.default: [{}, {"approximate": "tanh"}, {"approximate": "foo"}],
+                    aten.gelu_backward.default: [{}, {"approximate": "tanh"}, {"approximate": "foo"}]}
         for op in _POINTWISE:
             unary = len(op._schema.arguments) - len(extra.get(op, ())) - len(keywords.get(op, [{}])[-1]) == 1
             for dtype in (torch.float32, torch.bfloat16):
@@ -388,7 +390,9 @@ def _pointwise(fast: bool) -> list:
             targets = [torch.empty(shape, dtype=dtype, device="cuda")
                        for shape, dtype in (((n,), torch.int64), ((n,), torch.int32), ((n + 1,), torch.int64),
                                             ((), torch.int64))]
-            calls = [(aten._log_softmax.default, (x, 1, False)), (aten._log_softmax.default, (x, -1, True))]
+            calls = [(aten._log_softmax.default, (x, 1, False)), (aten._log_softmax.default, (x, -1, True)),
+                     (aten._log_softmax.default, (x, 2, False)),
+                     (aten._log_softmax_backward_data.default, (torch.empty_like(x), torch.empty_like(x), 2, x.dtype))]
             for target in targets:
                 for weight in (None, torch.empty(10, device="cuda")):
                     for reduction in (0, 1, 2):
@@ -508,3 +512,55 @@ def test_convolution_shortcut(model, precision) -> None:
     fast = record_training(b.factory, b.batch_factory, b.loss_fn, 3, recipe, A100)
     _same(fast, record_training(b.factory, b.batch_factory, b.loss_fn, 3, recipe, A100,
                                 shortcuts=Shortcuts(convolution=False)))
+
+
+def _inference(fast: bool) -> list:
+    """Views, casts and elementwise ops of a normal tensor inside ``torch.inference_mode`` and of an inference
+    tensor outside it (a teacher model's forward): whether each output is an inference tensor and a view, or the
+    error."""
+    from estimator.simulate.virtual_gpu.fake_mode import FakeMode
+
+    got: list = []
+    with FakeMode(shortcuts=Shortcuts(views=fast, pointwise=fast)):
+        normal = torch.empty(4, 6, device="cuda")
+        with torch.inference_mode():
+            inference = torch.empty(4, 6, device="cuda")
+        for x, inside in ((normal, True), (inference, False)):
+            for op in (lambda t: aten.view.default(t, [24]), lambda t: aten._unsafe_view.default(t, [24]),
+                       lambda t: t.reshape(24), lambda t: t.split(2)[0], lambda t: t.half(),
+                       lambda t: aten.relu.default(t)):
+                try:
+                    with torch.inference_mode(inside):
+                        out = op(x)
+                    got.append((out.is_inference(), out._is_view(), out.stride(), out.dtype))
+                except Exception as exc:  # torch's own error, from either path
+                    got.append((type(exc).__name__, str(exc)))
+    return got
+
+
+def test_the_shortcuts_leave_inference_mode_to_torch() -> None:
+    """An inference tensor, or a view made in inference mode, is torch's to make (autograd shares no version
+    counter with one): the same outputs, and no error the general path does not raise."""
+    fast = _inference(True)
+    assert fast == _inference(False)
+    assert not any(isinstance(case[0], str) for case in fast)
+
+
+def test_a_lifted_constant_shares_its_storage_as_torch_lifts_it() -> None:
+    """An op worked out from a lifted constant whose result shares the constant's storage (detach, a view) shares
+    the fake tensor's storage, as meta_utils memoizes it."""
+    from estimator.simulate.virtual_gpu.fake_mode import FakeMode
+
+    def shared(fast: bool) -> list:
+        with FakeMode(shortcuts=Shortcuts(lift=fast)):
+            got = []
+            for op in (lambda t: t.detach(), lambda t: aten.alias.default(t), lambda t: t.view(1),
+                       lambda t: t.unsqueeze(0), lambda t: t.clone()):
+                t = torch.tensor(3.0)
+                out = op(t)
+                got.append((torch._C._is_alias_of(out, t), out.constant is not None))
+            return got
+
+    fast = shared(True)
+    assert fast == shared(False)
+    assert fast[0] == (True, True)

@@ -133,8 +133,10 @@ def _plain_fake(mode, t) -> bool:
 
 
 def _dense_layout(t: torch.Tensor) -> bool:
-    """Whether ``t`` has contiguous strides, or channels-last ones without a dimension of size 1 (whose stride
-    could be any): an elementwise op's output then has ``t``'s strides."""
+    """Whether ``t`` is not empty and has contiguous strides, or channels-last ones without a dimension of size 1
+    (whose stride could be any): an elementwise op's output then has ``t``'s strides."""
+    if 0 in t.shape:
+        return False  # an empty tensor's strides are torch's to choose
     stride = t.stride()
     if stride == torch._prims_common.make_contiguous_strides_for(t.shape):
         return True
@@ -239,8 +241,9 @@ class FakeMode(FakeTensorMode):
             elif a.shape != first.shape or a.stride() != first.stride() or a.dtype != first.dtype \
                     or a.device != first.device:
                 return NotImplemented
-        if first is None or not all(type(v) in (int, float, str) for v in kwargs.values()):
-            return NotImplemented
+        if first is None or not all(type(v) in (int, float) for k, v in kwargs.items() if k != "approximate") \
+                or kwargs.get("approximate", "none") not in ("none", "tanh"):
+            return NotImplemented  # (another approximate: torch's error)
         return self._new(first.shape, first.stride(), first.dtype, first.device)
 
     def _cast(self, func, args, kwargs):
@@ -343,13 +346,14 @@ class FakeMode(FakeTensorMode):
                 or x.stride() != torch._prims_common.make_contiguous_strides_for(x.shape):
             return NotImplemented
         if func is aten._log_softmax.default:
-            if len(args) != 3 or type(args[1]) is not int or type(args[2]) is not bool \
+            if len(args) != 3 or type(args[1]) is not int or not -2 <= args[1] < 2 or type(args[2]) is not bool \
                     or args[2] and x.dtype != torch.float16:  # half_to_float of anything else: torch's error
                 return NotImplemented
             return self._new(x.shape, x.stride(), torch.float32 if args[2] else x.dtype, x.device)
         if func is aten._log_softmax_backward_data.default:
             out = args[1]
-            if len(args) != 4 or type(args[2]) is not int or not isinstance(args[3], torch.dtype) \
+            if len(args) != 4 or type(args[2]) is not int or not -2 <= args[2] < 2 \
+                    or not isinstance(args[3], torch.dtype) \
                     or not (type(out) is FakeTensor and _plain_fake(self, out)) or out.shape != x.shape \
                     or out.stride() != x.stride() or out.dtype != x.dtype or out.device != x.device:
                 return NotImplemented
@@ -392,6 +396,10 @@ class FakeMode(FakeTensorMode):
         fake.constant = constant
         converter = self.fake_tensor_converter
         converter.set_tensor_memo(constant, fake)
+        # and the constant's storage is the fake tensor's, as meta_utils memoizes it: an op worked out from the
+        # constant whose result shares its storage (detach, a view) shares the fake tensor's
+        meta = converter.meta_converter
+        meta.set_storage_memo(meta.describer.describe_storage(constant.untyped_storage()), fake.untyped_storage())
         if t.dtype in _ITEM_MEMO_DTYPES:
             with no_dispatch():
                 value = constant.item()
@@ -448,6 +456,7 @@ class FakeMode(FakeTensorMode):
         or negative bit (its views would carry it), on a device it keeps as it is (``_normal``) or on the meta
         device where this mode allows it (FSDP shards a model's meta parameters); not in a debug trace."""
         return (_plain_fake(self, x) and not x.is_conj() and not x.is_neg() and not FakeTensorConfig.debug
+                and not x.is_inference() and not torch.is_inference_mode_enabled()  # autograd's view of those
                 and (_normal(x.device) or x.device.type == "meta" and self.allow_meta))
 
     def _on_storage(self, x: FakeTensor, offset: int, size, stride) -> FakeTensor:
