@@ -319,6 +319,22 @@ def test_lift_shortcut(optimizer, kwargs, monkeypatch) -> None:
     _same(fast, record_training(mf, bf, lf, 4, recipe, A100, shortcuts=Shortcuts(lift=False)))
 
 
+def _outcome(op, args, kwargs=None, mode=None) -> list:
+    """``op(*args, **kwargs)``'s outputs, each as its op, type, shape, strides, offset, dtype, device, whether it
+    requires grad and is a view, its dispatch keys, its storage's bytes, whether it aliases an argument, whether
+    it is ``mode``'s and its own state besides the mode (None for an output that is None); or torch's error."""
+    try:
+        outs = op(*args, **(kwargs or {}))
+    except Exception as exc:  # torch's own error, from either path
+        return [(str(op), type(exc).__name__, str(exc))]
+    return [None if out is None else (
+        str(op), type(out), out.shape, out.stride(), out.storage_offset(), out.dtype, out.device, out.requires_grad,
+        out._is_view(), str(torch._C._dispatch_keys(out)), out.untyped_storage().nbytes(),
+        any(torch._C._is_alias_of(out, a) for a in args if isinstance(a, torch.Tensor)), out.fake_mode is mode,
+        sorted(((k, v) for k, v in out.__dict__.items() if k != "fake_mode"), key=str))
+        for out in (outs if isinstance(outs, (tuple, list)) else (outs,))]
+
+
 def _pointwise(fast: bool) -> list:
     """What each op of the pointwise shortcut gives for inputs it takes and inputs it leaves to torch (other
     strides, dtypes, shapes, a scalar tensor, an integer tensor), or their errors."""
@@ -354,16 +370,7 @@ def _pointwise(fast: bool) -> list:
                 for pair in inputs(dtype):
                     for kwargs in keywords.get(op, [{}]):
                         args = (pair[0],) if unary else (pair[0], pair[1])
-                        try:
-                            out = op(*args, *extra.get(op, ()), **kwargs)
-                        except Exception as exc:  # torch's own error, from either path
-                            got.append((str(op), type(exc).__name__, str(exc)))
-                            continue
-                        got.append((str(op), type(out), out.shape, out.stride(), out.storage_offset(), out.dtype,
-                                    out.device, out.requires_grad, out._is_view(), str(torch._C._dispatch_keys(out)),
-                                    out.fake_mode is mode, out.untyped_storage().nbytes(),
-                                    any(torch._C._is_alias_of(out, a) for a in args),
-                                    sorted(((k, v) for k, v in out.__dict__.items() if k != "fake_mode"), key=str)))
+                        got += _outcome(op, (*args, *extra.get(op, ())), kwargs, mode)
         cast = aten._to_copy.default
         for kwargs in ({"dtype": torch.bfloat16}, {"dtype": torch.float32}, {}, {"dtype": torch.float16, "layout":
                        torch.strided, "device": torch.device("cuda", 0), "memory_format": torch.preserve_format},
@@ -372,15 +379,7 @@ def _pointwise(fast: bool) -> list:
                        {"dtype": torch.bfloat16, "non_blocking": True}):
             for x, *_ in inputs(torch.float32) + [(torch.empty(3, 1, 4, device="cuda").transpose(0, 2),),
                                                   (torch.empty(5, 5, device="cuda")[:, ::2],)]:
-                try:
-                    out = cast(x, **kwargs)
-                except Exception as exc:
-                    got.append(("_to_copy", type(exc).__name__, str(exc)))
-                    continue
-                got.append(("_to_copy", type(out), out.shape, out.stride(), out.dtype, out.device, out.requires_grad,
-                            out._is_view(), str(torch._C._dispatch_keys(out)), out.untyped_storage().nbytes(),
-                            torch._C._is_alias_of(out, x),
-                            sorted(((k, v) for k, v in out.__dict__.items() if k != "fake_mode"), key=str)))
+                got += _outcome(cast, (x,), kwargs, mode)
         logits = [torch.empty(6, 10, device="cuda", dtype=dtype) for dtype in (torch.float32, torch.bfloat16,
                                                                                 torch.float16)]
         logits += [torch.empty(10, 6, device="cuda").t(), torch.empty(2, 3, 10, device="cuda"),
@@ -405,15 +404,7 @@ def _pointwise(fast: bool) -> list:
                 for dtype in (x.dtype, torch.float32):
                     calls.append((aten._log_softmax_backward_data.default, (torch.empty_like(x), out, 1, dtype)))
             for op, args in calls:
-                try:
-                    outs = op(*args)
-                except Exception as exc:
-                    got.append((str(op), type(exc).__name__, str(exc)))
-                    continue
-                for out in outs if isinstance(outs, tuple) else (outs,):
-                    got.append((str(op), type(out), out.shape, out.stride(), out.dtype, out.device,
-                                out.untyped_storage().nbytes(), str(torch._C._dispatch_keys(out)),
-                                sorted(((k, v) for k, v in out.__dict__.items() if k != "fake_mode"), key=str)))
+                got += _outcome(op, args, mode=mode)
     return got
 
 
@@ -480,16 +471,7 @@ def _convolutions(fast: bool) -> list:
                   (conv, (x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 3)),
                   (conv, (x[:, :, ::2], w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1))]
         for op, args in cases:
-            try:
-                outs = op(*args)
-            except Exception as exc:  # torch's own error, from either path
-                got.append((str(op), type(exc).__name__, str(exc)))
-                continue
-            for out in outs if isinstance(outs, tuple) else (outs,):
-                got.append(None if out is None else (
-                    str(op), type(out), out.shape, out.stride(), out.dtype, out.device, out.untyped_storage().nbytes(),
-                    str(torch._C._dispatch_keys(out)),
-                    sorted(((k, v) for k, v in out.__dict__.items() if k != "fake_mode"), key=str)))
+            got += _outcome(op, args, mode=mode)
     return got
 
 

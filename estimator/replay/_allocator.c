@@ -75,6 +75,9 @@ typedef struct {
     int bad_state;  /* a block was not found in its pool */
 } Allocator;
 
+/* what stops a replay after an allocator call: host memory ran out, or a block was not where its pool says */
+static int broken(const Allocator *a) { return a->oom_memory ? ERR_MEMORY : a->bad_state ? ERR_STATE : OK; }
+
 static int32_t new_block(Allocator *a, int64_t addr, int64_t size, int small, int32_t pool) {
     int32_t i;
     if (a->free_list >= 0) {
@@ -387,10 +390,8 @@ int bf_replay(int64_t n_events, const int64_t *events, int64_t n_allocs, const i
             int32_t s = stream ? stream[k] : 0;
             if (kind == KIND_NORMAL) {
                 bi = malloc_block(&a, nbytes, s);
-                if (a.oom_memory || a.bad_state) {
-                    rc = a.oom_memory ? ERR_MEMORY : ERR_STATE;
+                if ((rc = broken(&a)) != OK)
                     break;
-                }
                 if (bi < 0) {
                     oom = i;
                     break;
@@ -399,10 +400,8 @@ int bf_replay(int64_t n_events, const int64_t *events, int64_t n_allocs, const i
                 release_segments(&a);
             } else {
                 bi = malloc_block(&a, nbytes, s);
-                if (a.oom_memory || a.bad_state) {
-                    rc = a.oom_memory ? ERR_MEMORY : ERR_STATE;
+                if ((rc = broken(&a)) != OK)
                     break;
-                }
             }
             if (bi < 0) {
                 skipped[k] = 1;
@@ -430,10 +429,8 @@ int bf_replay(int64_t n_events, const int64_t *events, int64_t n_allocs, const i
             } else {
                 live[k] = -1;
                 free_block(&a, bi);
-                if (a.oom_memory || a.bad_state) {
-                    rc = a.oom_memory ? ERR_MEMORY : ERR_STATE;
+                if ((rc = broken(&a)) != OK)
                     break;
-                }
             }
         }
         if (timelines) {

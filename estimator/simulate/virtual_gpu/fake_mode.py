@@ -218,6 +218,12 @@ class FakeMode(FakeTensorMode):
         t.__dict__["fake_mode"] = self
         return t
 
+    def _takes(self, t: Any) -> bool:
+        """Whether the shortcuts that make new outputs (elementwise, casts, cross entropy, convolutions) take ``t``:
+        a plain fake tensor of this mode (``_plain_fake``) on a device it keeps as it is, without the conjugate
+        or negative bit."""
+        return _plain_fake(self, t) and _normal(t.device) and not t.is_conj() and not t.is_neg()
+
     def _pointwise(self, func, args, kwargs):
         """An elementwise op of ``_POINTWISE`` on floating-point tensors of one shape, dtype and strides (contiguous,
         or channels-last: ``_dense_layout``), as torch's reference kernel makes its output: a new tensor like
@@ -228,11 +234,9 @@ class FakeMode(FakeTensorMode):
             return NotImplemented
         first = None
         for a in args:
-            kind = type(a)
-            if kind is int or kind is float:
+            if type(a) in (int, float):
                 continue
-            if kind is not FakeTensor or not _plain_fake(self, a) or not a.is_floating_point() \
-                    or not _normal(a.device) or a.is_conj() or a.is_neg():
+            if not self._takes(a) or not a.is_floating_point():
                 return NotImplemented
             if first is None:
                 if not _dense_layout(a):
@@ -255,8 +259,7 @@ class FakeMode(FakeTensorMode):
                                                     "memory_format"}:
             return NotImplemented
         x = args[0]
-        if not (_plain_fake(self, x) and _normal(x.device)) or x.is_conj() or x.is_neg() \
-                or not is_non_overlapping_and_dense(x):
+        if not self._takes(x) or not is_non_overlapping_and_dense(x):
             return NotImplemented
         dtype = kwargs.get("dtype") or x.dtype
         if not isinstance(dtype, torch.dtype) or kwargs.get("layout") not in (None, torch.strided) \
@@ -283,12 +286,11 @@ class FakeMode(FakeTensorMode):
             x, w, bias, stride, padding, dilation, transposed, output_padding, groups = args
             grad, bias_sizes, mask = None, None, None
         tensors = [t for t in (grad, x, w) if t is not None]
-        if not all(type(t) is FakeTensor and _plain_fake(self, t) and _normal(t.device) and t.dim() == 4
-                   and 0 not in t.shape and t.is_floating_point() and not t.is_conj() and not t.is_neg()
+        if not all(self._takes(t) and t.dim() == 4 and 0 not in t.shape and t.is_floating_point()
                    and is_non_overlapping_and_dense(t) and t.dtype == x.dtype and t.device == x.device
                    for t in tensors) or 1 in x.shape:
             return NotImplemented
-        if bias is not None and not (type(bias) is FakeTensor and _plain_fake(self, bias) and bias.dim() == 1
+        if bias is not None and not (_plain_fake(self, bias) and bias.dim() == 1
                                      and bias.dtype == x.dtype and bias.device == x.device):
             return NotImplemented
         pairs = (stride, padding, dilation, output_padding)
@@ -341,8 +343,7 @@ class FakeMode(FakeTensorMode):
         if kwargs:
             return NotImplemented
         x = args[0] if func is not aten.nll_loss_backward.default else args[1]
-        if not (type(x) is FakeTensor and _plain_fake(self, x) and _normal(x.device)) or x.dim() != 2 \
-                or not x.is_floating_point() or x.is_conj() or x.is_neg() \
+        if not self._takes(x) or x.dim() != 2 or not x.is_floating_point() \
                 or x.stride() != torch._prims_common.make_contiguous_strides_for(x.shape):
             return NotImplemented
         if func is aten._log_softmax.default:
@@ -354,20 +355,20 @@ class FakeMode(FakeTensorMode):
             out = args[1]
             if len(args) != 4 or type(args[2]) is not int or not -2 <= args[2] < 2 \
                     or not isinstance(args[3], torch.dtype) \
-                    or not (type(out) is FakeTensor and _plain_fake(self, out)) or out.shape != x.shape \
+                    or not _plain_fake(self, out) or out.shape != x.shape \
                     or out.stride() != x.stride() or out.dtype != x.dtype or out.device != x.device:
                 return NotImplemented
             return self._new(x.shape, x.stride(), args[3], x.device)
         forward = func is aten.nll_loss_forward.default
         target, weight, reduction, ignore = args[1:5] if forward else args[2:6]
         if len(args) != (5 if forward else 7) or weight is not None or reduction not in (1, 2) \
-                or type(ignore) is not int or not (type(target) is FakeTensor and _plain_fake(self, target)) \
+                or type(ignore) is not int or not _plain_fake(self, target) \
                 or target.dtype != torch.int64 or target.shape != x.shape[:1] or target.device != x.device:
             return NotImplemented
         if forward:
             return self._new((), (), x.dtype, x.device), self._new((), (), x.dtype, x.device)
         grad, total = args[0], args[6]
-        if not all(type(t) is FakeTensor and _plain_fake(self, t) and t.shape == () and t.dtype == x.dtype
+        if not all(_plain_fake(self, t) and t.shape == () and t.dtype == x.dtype
                    and t.device == x.device for t in (grad, total)):
             return NotImplemented
         return self._new(x.shape, x.stride(), x.dtype, x.device)
