@@ -161,6 +161,11 @@ def _views(fast: bool) -> list:
         cases += [(view, args) for op, args, *_ in cases if op is aten._unsafe_view]
         cases += [(view, (torch.empty(1, 6, device="cuda"), [6, 1])), (view, (a, [4, 48, 1])),
                   (view, (torch.empty(2, 3, device="cuda"), [1, 6])), (view, (a[:, :3], [12, 8]))]
+        detach = aten.detach.default
+        cases += [(detach, (t,)) for t in (
+            a, a[1:], a.transpose(0, 2), a[:, ::2], torch.empty(3, 1, device="cuda").expand(3, 4),
+            torch.empty(0, 5, device="cuda"), torch.empty((), device="cuda"), aten._neg_view(a),
+            torch.empty(6, 4, device="meta"), torch.empty(3, device="cuda", requires_grad=True))]
         for op, args, *kwargs in cases:
             try:
                 out = op(*args, **(kwargs[0] if kwargs else {}))
@@ -172,7 +177,8 @@ def _views(fast: bool) -> list:
                          torch._C._is_alias_of(o, args[0]), o._is_view(), o._base is None, o.device, o.dtype,
                          o.requires_grad, str(torch._C._dispatch_keys(o)), o.fake_mode is mode,
                          sorted(((k, v) for k, v in o.__dict__.items() if k != "fake_mode"), key=str)) for o in outs])
-            args[0].add_(1)  # whose version counter each output shares
+            with torch.no_grad():  # (a leaf that requires grad, too)
+                args[0].add_(1)  # whose version counter each output shares
             got.append([(o._version, args[0]._version) for o in outs])
     return got
 
@@ -371,6 +377,21 @@ def _pointwise(fast: bool) -> list:
                     for kwargs in keywords.get(op, [{}]):
                         args = (pair[0],) if unary else (pair[0], pair[1])
                         got += _outcome(op, (*args, *extra.get(op, ())), kwargs, mode)
+        from estimator.simulate.virtual_gpu.fake_mode import _IN_PLACE
+
+        for op in _IN_PLACE:  # each on fresh tensors: an in-place op changes its self's version
+            unary = len(op._schema.arguments) - len(_IN_PLACE[op]) == 1
+            for dtype in (torch.float32, torch.bfloat16):
+                x = torch.empty(4, 6, 8, device="cuda", dtype=dtype)
+                for pair in [*inputs(dtype), (x, x), (x, x.view(6, 4, 8)), (x, 3), (x, 0.5), (x, True),
+                             (torch.empty(3, 1, device="cuda", dtype=dtype).expand(3, 4),) * 2,
+                             (torch.empty(6, 8, device="cuda", dtype=dtype), torch.empty(4, 6, 8, device="cuda",
+                                                                                         dtype=dtype))]:
+                    for kwargs in ({}, {"alpha": 2}, {"alpha": 0.5}) if "alpha" in _IN_PLACE[op] else ({},):
+                        args = (pair[0],) if unary else (pair[0], pair[1])
+                        got += _outcome(op, args, kwargs, mode)
+                        if isinstance(args[0], torch.Tensor):
+                            got.append(args[0]._version)
         cast = aten._to_copy.default
         for kwargs in ({"dtype": torch.bfloat16}, {"dtype": torch.float32}, {}, {"dtype": torch.float16, "layout":
                        torch.strided, "device": torch.device("cuda", 0), "memory_format": torch.preserve_format},
@@ -408,11 +429,114 @@ def _pointwise(fast: bool) -> list:
     return got
 
 
-def test_a_pointwise_shortcut_gives_what_torch_gives() -> None:
-    """Each op's output (shape, strides, dtype, storage, state) or error is torch's own."""
+def test_a_pointwise_shortcut_gives_what_torch_gives(monkeypatch) -> None:
+    """Each op's output (shape, strides, dtype, storage, state) or error is torch's own; in place, the same
+    tensor with the same version."""
+    taken = _count_taken(monkeypatch, "_in_place")
     fast = _pointwise(True)
+    assert taken[0] > 40
     assert fast == _pointwise(False)
-    assert sum(len(case) > 3 for case in fast) > 300  # outputs, not errors
+    assert sum(isinstance(case, tuple) and len(case) > 3 for case in fast) > 300  # outputs, not errors
+
+
+def _factories(fast: bool) -> list:
+    """What ``empty_strided``, ``zeros_like``, ``empty_like`` and ``ones_like`` give with the factories shortcut on or
+    off: for the tensors and arguments it takes (contiguous or channels-last strides, sizes of 1, each keyword)
+    and those it leaves to torch (other strides, an expanded or empty tensor, another device, layout or memory
+    format, pinned memory, a CPU or meta tensor, negative or mismatched sizes), their outputs' state or torch's
+    error; and inside inference mode."""
+    from estimator.simulate.virtual_gpu.fake_mode import _LIKE, FakeMode
+
+    mode = FakeMode(shortcuts=Shortcuts(factories=fast))
+    cuda, cl = torch.device("cuda", 0), torch.channels_last
+    got: list = []
+    with mode:
+        tensors = [torch.empty(4, 6, 8, device="cuda"), torch.empty(4, 6, 8, device="cuda", dtype=torch.bfloat16),
+                   torch.empty(2, 3, 4, 5, device="cuda").to(memory_format=cl),
+                   torch.empty(2, 3, 1, 5, device="cuda").to(memory_format=cl),
+                   torch.empty(64, 1, 3, 3, device="cuda"), torch.empty(256, 64, 1, 1, device="cuda"),
+                   torch.empty(256, 64, 1, 1, device="cuda").to(memory_format=cl),
+                   torch.empty(6, 1, device="cuda").t(), torch.empty(4, 6, device="cuda").t(),
+                   torch.empty(4, 6, device="cuda")[:, ::2], torch.empty(3, 1, device="cuda").expand(3, 4),
+                   torch.empty(0, 3, device="cuda"), torch.empty((), device="cuda"), torch.empty(7, device="cuda"),
+                   torch.empty(4, 4, device="cuda", dtype=torch.int64), torch.empty(3, 4), torch.tensor(2.0),
+                   torch.empty(3, 4, device="meta"), torch.empty(5, device="cuda", requires_grad=True),
+                   aten._neg_view(torch.empty(4, 6, device="cuda"))]
+        like_kwargs = [{}, {"dtype": torch.bfloat16}, {"dtype": torch.int64}, {"memory_format": torch.preserve_format},
+                       {"memory_format": torch.contiguous_format}, {"memory_format": cl}, {"device": cuda},
+                       {"device": torch.device("cpu")}, {"layout": torch.strided}, {"pin_memory": False},
+                       {"pin_memory": True}]
+        for op in _LIKE:
+            for x in tensors:
+                if op is aten.empty_like.default and x.constant is not None:
+                    continue  # a CPU constant's empty_like holds whatever its memory held
+                for kwargs in like_kwargs:
+                    got += _outcome(op, (x,), kwargs, mode)
+        empty = aten.empty_strided.default
+        for size, stride in (((4, 6), (6, 1)), ((4, 6), (1, 4)), ((2, 3), (0, 1)), ((0, 3), (3, 1)), ((), ()),
+                             ((2, 3, 4, 5), (60, 1, 15, 3)), ((3, 1), (1, 9)), ((2, 3), (3,)), ((2, -1), (1, 1)),
+                             ([4, 6], [6, 1])):
+            for kwargs in ({"device": cuda}, {"device": cuda, "dtype": torch.bfloat16}, {}, {"dtype": torch.float16},
+                           {"device": torch.device("cuda")}, {"device": torch.device("meta")},
+                           {"device": cuda, "layout": torch.strided, "pin_memory": False},
+                           {"device": cuda, "pin_memory": True}):
+                got += _outcome(empty, (size, stride), kwargs, mode)
+        torch.set_default_dtype(torch.float64)
+        try:
+            got += _outcome(empty, ((2, 3), (3, 1)), {"device": cuda}, mode)
+        finally:
+            torch.set_default_dtype(torch.float32)
+        for inside in (True, False):
+            with torch.inference_mode(inside):
+                got += _outcome(empty, ((2, 3), (3, 1)), {"device": cuda}, mode)
+                got += _outcome(aten.zeros_like.default, (tensors[0],), {}, mode)
+                got.append([o.is_inference() for o in (empty((2,), (1,), device=cuda),
+                                                       aten.zeros_like.default(tensors[0]))])
+    return got
+
+
+def test_a_factory_shortcut_gives_what_torch_gives(monkeypatch) -> None:
+    """Each factory's output (shape, strides, dtype, device, storage, state) or error is torch's own; the shortcut
+    answers most of the cases."""
+    taken = [_count_taken(monkeypatch, name) for name in ("_like", "_empty_strided")]
+    fast = _factories(True)
+    assert taken[0][0] > 60 and taken[1][0] > 15
+    assert fast == _factories(False)
+
+
+def test_the_stride_helpers_are_torchs() -> None:
+    """Contiguous and channels-last strides and the non-overlapping-and-dense test, as ``torch._prims_common``
+    answers them, over shapes with sizes of 0 and 1 and over permuted, sliced, expanded and channels-last tensors."""
+    import itertools
+
+    from torch._prims_common import (
+        is_non_overlapping_and_dense_or_false,
+        make_channels_last_strides_for,
+        make_contiguous_strides_for,
+    )
+
+    from estimator.simulate.virtual_gpu.strides import (
+        channels_last_strides,
+        contiguous_strides,
+        non_overlapping_and_dense,
+    )
+
+    checked = 0
+    for rank in range(5):
+        for shape in itertools.product((0, 1, 2, 3), repeat=rank):
+            assert contiguous_strides(shape) == make_contiguous_strides_for(shape)
+            if rank == 4:
+                assert channels_last_strides(shape) == make_channels_last_strides_for(shape)
+            base = torch.empty(shape, device="meta")
+            views = [base, base.unsqueeze(0).expand(2, *shape)]
+            views += [base.permute(p) for p in itertools.permutations(range(rank))]
+            views += [base[..., ::2], base[:1], base.transpose(0, -1)] if rank else []
+            if rank == 4:
+                views.append(base.to(memory_format=torch.channels_last))
+            for t in views:
+                assert non_overlapping_and_dense(t) == is_non_overlapping_and_dense_or_false(t), (t.shape, t.stride())
+                checked += 1
+    assert checked > 8000
 
 
 @pytest.mark.parametrize("model, inp, precision", [
@@ -427,10 +551,11 @@ def test_pointwise_and_lift_shortcuts(model, inp, precision, monkeypatch) -> Non
     taken = _count_taken(monkeypatch, "_pointwise")
     b = build_request(parse_request({"model": model, "input": inp}))
     recipe = Recipe(precision=precision)
+    like = _count_taken(monkeypatch, "_like")
     fast = record_training(b.factory, b.batch_factory, b.loss_fn, 3, recipe, A100)
-    assert taken[0] >= 4
+    assert taken[0] >= 4 and like[0] >= 4
     _same(fast, record_training(b.factory, b.batch_factory, b.loss_fn, 3, recipe, A100,
-                                shortcuts=Shortcuts(pointwise=False, lift=False)))
+                                shortcuts=Shortcuts(pointwise=False, lift=False, factories=False)))
 
 
 def _convolutions(fast: bool) -> list:
@@ -503,14 +628,16 @@ def _inference(fast: bool) -> list:
     from estimator.simulate.virtual_gpu.fake_mode import FakeMode
 
     got: list = []
-    with FakeMode(shortcuts=Shortcuts(views=fast, pointwise=fast)):
+    with FakeMode(shortcuts=Shortcuts(views=fast, pointwise=fast, factories=fast)):
         normal = torch.empty(4, 6, device="cuda")
         with torch.inference_mode():
             inference = torch.empty(4, 6, device="cuda")
         for x, inside in ((normal, True), (inference, False)):
             for op in (lambda t: aten.view.default(t, [24]), lambda t: aten._unsafe_view.default(t, [24]),
                        lambda t: t.reshape(24), lambda t: t.split(2)[0], lambda t: t.half(),
-                       lambda t: aten.relu.default(t)):
+                       lambda t: aten.relu.default(t), lambda t: t.detach(), lambda t: torch.zeros_like(t),
+                       lambda t: t.add_(torch.empty(4, 6, device="cuda")), lambda t: t.relu_(),
+                       lambda t: torch.empty_strided((4, 6), (6, 1), device=torch.device("cuda", 0))):
                 try:
                     with torch.inference_mode(inside):
                         out = op(x)
@@ -525,7 +652,9 @@ def test_the_shortcuts_leave_inference_mode_to_torch() -> None:
     counter with one): the same outputs, and no error the general path does not raise."""
     fast = _inference(True)
     assert fast == _inference(False)
-    assert not any(isinstance(case[0], str) for case in fast)
+    errors = [case for case in fast if isinstance(case[0], str)]
+    # only torch's refusal of the in-place ops (add_, relu_) on the inference tensor outside inference mode
+    assert len(errors) == 2 and all("Inplace update to inference tensor" in case[1] for case in errors)
 
 
 def test_a_lifted_constant_shares_its_storage_as_torch_lifts_it() -> None:

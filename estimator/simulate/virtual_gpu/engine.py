@@ -46,8 +46,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch._prims_common import is_non_overlapping_and_dense_or_false as is_non_overlapping_and_dense
 from torch.autograd.graph import GradientEdge, _get_grad_fn_or_grad_acc
+
+from estimator.simulate.virtual_gpu.strides import non_overlapping_and_dense as is_non_overlapping_and_dense
 
 UINT64_MAX = 2**64 - 1  # AccumulateGrad's sequence_nr (functions/accumulate_grad.cpp)
 

@@ -4,14 +4,15 @@ FakeTensorMode never initializes a device here (``torch.cuda.is_available()``
 answers True inside the virtual GPU), bypasses its dispatch cache where a
 cache hit would allocate differently, runs cuDNN's RNN ops with kernels of
 their own (``cudnn_rnn.py``: torch has none that know their sizes), and
-takes five shortcuts past torch's
-Python fake kernels that make a fresh simulation about twice as fast: the
-optimizers' elementwise ``_foreach_*`` ops, cuDNN batch norm's outputs,
-cheaper dispatch-cache keys, a cache hit's outputs made without
-``FakeTensor.__new__``'s argument checks, and the views the dispatch cache
-does not hold (``_unsafe_view``, ``split``). Each shortcut has a switch (``Shortcuts``);
-tests/test_fast_paths.py turns each off and compares the traces allocation
-by allocation.
+takes shortcuts past torch's Python fake kernels and its dispatch cache that
+make a simulation several times faster: the outputs of the most frequent ops
+(views, elementwise and in-place ops, casts, factories, convolutions, batch
+norm, cross entropy, the optimizers' ``_foreach_*`` ops, lifted scalars) made
+directly, cheaper cache keys, and a cache hit's outputs made without
+``FakeTensor.__new__``'s argument checks. Each shortcut either gives exactly
+torch's output or hands the call back to torch's path; each has a switch
+(``Shortcuts``), and tests/test_fast_paths.py compares both paths op by op
+and allocation by allocation.
 """
 
 from __future__ import annotations
@@ -22,18 +23,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch._prims_common import is_non_overlapping_and_dense_or_false as is_non_overlapping_and_dense
 from torch._subclasses.fake_tensor import (
     FakeTensor,
     FakeTensorConfig,
     FakeTensorMode,
     _BypassDispatchCache,
     _is_plain_tensor,
-    in_kernel_invocation_manager,
 )
 from torch.utils._mode_utils import no_dispatch
 
 from estimator.simulate.virtual_gpu.cudnn_rnn import FAKE_KERNELS as _CUDNN_RNN_KERNELS
+from estimator.simulate.virtual_gpu.strides import channels_last_strides, contiguous_strides
+from estimator.simulate.virtual_gpu.strides import non_overlapping_and_dense as is_non_overlapping_and_dense
 
 aten = torch.ops.aten
 
@@ -61,7 +62,11 @@ class Shortcuts:
     products of a norm), made like their inputs without torch's Python references, and ``_to_copy`` to another
     dtype on the same device (autocast's casts) of a dense tensor. ``convolution``: a 2-d convolution and its
     backward whose tensors have no dimension of size 1, their outputs in the memory format torch's own
-    functions choose for them.
+    functions choose for them. ``factories``: ``empty_strided`` on the device, and ``zeros_like``, ``empty_like``
+    and ``ones_like`` of a tensor with contiguous or channels-last strides (the parameters' and the optimizer
+    states' tensors, a few per parameter each step), made without torch's constructor path. ``views`` also
+    covers ``detach`` (the parameters', each gradient accumulated); ``pointwise`` the in-place elementwise ops
+    of ``_IN_PLACE`` (a residual's ``add_``, ``relu_``) on tensors of one shape and dtype.
     """
 
     foreach: bool = True
@@ -73,6 +78,7 @@ class Shortcuts:
     lift: bool = True
     pointwise: bool = True
     convolution: bool = True
+    factories: bool = True
 
 
 # what FakeTensor.__new__ sets on a new fake tensor of an op's output besides its device and mode (torch 2.14): no
@@ -106,6 +112,15 @@ _POINTWISE = {op: keywords for ops, keywords in (
     ((aten.gelu.default, aten.gelu_backward.default), frozenset({"approximate"})),
 ) for op in ops}
 _TO_COPY = aten._to_copy.default
+# in-place elementwise ops (self first; the other arguments Python numbers, or tensors of self's shape and dtype on
+# another storage; the keywords named): their output is self, as torch's kernel gives it back
+_IN_PLACE = {op: keywords for ops, keywords in (
+    ((aten.mul_.Tensor, aten.div_.Tensor, aten.relu_.default, aten.sigmoid_.default, aten.tanh_.default,
+      aten.neg_.default, aten.rsqrt_.default, aten.silu_.default), frozenset()),
+    ((aten.add_.Tensor, aten.sub_.Tensor), frozenset({"alpha"})),
+) for op in ops}
+_LIKE = frozenset({aten.zeros_like.default, aten.empty_like.default, aten.ones_like.default})
+_LIKE_KEYWORDS = frozenset({"dtype", "layout", "device", "pin_memory", "memory_format"})
 _CONVOLUTIONS = frozenset({aten.convolution.default, aten.convolution_backward.default})
 # cross entropy's four ops (log-softmax, NLL loss, their backwards): once a step each, ~15 ms of Python references
 _CROSS_ENTROPY = frozenset({aten._log_softmax.default, aten._log_softmax_backward_data.default,
@@ -118,7 +133,10 @@ _ITEM_MEMO_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8
 # op -> (the ``Shortcuts`` switch, the ``FakeMode`` method that makes its outputs, NotImplemented when unsure)
 _ROUTES: dict[Any, tuple[str, str]] = {
     **{op: ("views", "_unsafe_view") for op in _VIEWS}, **{op: ("views", "_split") for op in _SPLITS},
+    aten.detach.default: ("views", "_detach"),
     **{op: ("pointwise", "_pointwise") for op in _POINTWISE}, _TO_COPY: ("pointwise", "_cast"),
+    **{op: ("pointwise", "_in_place") for op in _IN_PLACE},
+    aten.empty_strided.default: ("factories", "_empty_strided"), **{op: ("factories", "_like") for op in _LIKE},
     **{op: ("pointwise", "_cross_entropy") for op in _CROSS_ENTROPY},
     **{op: ("convolution", "_convolution") for op in _CONVOLUTIONS},
     **{op: ("lift", "_lift_scalar") for op in _LIFTS},
@@ -138,9 +156,9 @@ def _dense_layout(t: torch.Tensor) -> bool:
     if 0 in t.shape:
         return False  # an empty tensor's strides are torch's to choose
     stride = t.stride()
-    if stride == torch._prims_common.make_contiguous_strides_for(t.shape):
+    if stride == contiguous_strides(t.shape):
         return True
-    return t.dim() == 4 and 1 not in t.shape and stride == torch._prims_common.make_channels_last_strides_for(t.shape)
+    return t.dim() == 4 and 1 not in t.shape and stride == channels_last_strides(t.shape)
 
 
 # a tensor's own layout (FakeTensor.layout's, past its mkldnn check)
@@ -199,7 +217,7 @@ class FakeMode(FakeTensorMode):
             if type(view_arg) is not FakeTensor:
                 return super()._get_output_tensor_from_cache_entry(state, entry, key, func, args)
             storage = view_arg.untyped_storage()
-            with in_kernel_invocation_manager(self):
+            with torch._C._DisableTorchDispatch():  # (torch: in_kernel_invocation_manager, as in _on_storage)
                 empty.set_(storage, metadata.storage_offset, metadata.shape, metadata.stride)
         return self._fresh(empty, metadata.device)
 
@@ -249,6 +267,60 @@ class FakeMode(FakeTensorMode):
                 or kwargs.get("approximate", "none") not in ("none", "tanh"):
             return NotImplemented  # (another approximate: torch's error)
         return self._new(first.shape, first.stride(), first.dtype, first.device)
+
+    def _in_place(self, func, args, kwargs):
+        """An in-place elementwise op of ``_IN_PLACE`` on a floating-point ``self`` with contiguous or channels-last
+        strides (``_dense_layout``: no element written twice), the other tensors of its shape, dtype and device on
+        other storages, as torch's kernel ends: ``self`` itself (autograd bumps its version above this mode).
+        NotImplemented when unsure: a broadcast, another dtype (a promotion torch may refuse), a storage shared
+        with ``self`` (torch checks the overlap), another keyword, inference mode."""
+        if not args or not kwargs.keys() <= _IN_PLACE[func] or torch.is_inference_mode_enabled():
+            return NotImplemented
+        x = args[0]
+        if not self._takes(x) or not x.is_floating_point() or x.is_inference() or not _dense_layout(x):
+            return NotImplemented
+        storage = x.untyped_storage()._cdata
+        for a in (*args[1:], *kwargs.values()):
+            if type(a) in (int, float):
+                continue
+            if not self._takes(a) or a.shape != x.shape or a.dtype != x.dtype or a.device != x.device \
+                    or a.untyped_storage()._cdata == storage:
+                return NotImplemented
+        return x
+
+    def _empty_strided(self, func, args, kwargs):
+        """``empty_strided(size, stride)`` on a device this mode keeps as it is, not the CPU, as torch's
+        constructor path makes it: a new tensor of those sizes and strides, of the dtype asked for (else the
+        default one). NotImplemented when unsure: a negative size or stride, lengths that differ, another layout,
+        pinned memory, no device or a device given otherwise than as a ``torch.device``, inference mode."""
+        if len(args) != 2 or not kwargs.keys() <= {"dtype", "layout", "device", "pin_memory"} \
+                or torch.is_inference_mode_enabled():
+            return NotImplemented
+        size, stride = args
+        device, dtype = kwargs.get("device"), kwargs.get("dtype")
+        if not (isinstance(size, (list, tuple)) and isinstance(stride, (list, tuple)) and len(size) == len(stride)
+                and all(type(n) is int and n >= 0 for n in (*size, *stride))) \
+                or not isinstance(device, torch.device) or not _normal(device) or device.type == "cpu" \
+                or not (dtype is None or isinstance(dtype, torch.dtype)) \
+                or kwargs.get("layout") not in (None, torch.strided) or kwargs.get("pin_memory"):
+            return NotImplemented
+        return self._new(tuple(size), tuple(stride), torch.get_default_dtype() if dtype is None else dtype, device)
+
+    def _like(self, func, args, kwargs):
+        """``zeros_like``, ``empty_like`` and ``ones_like`` of a tensor with contiguous or channels-last strides
+        (``_dense_layout``), as torch's constructor path makes them: a new tensor with its sizes and strides
+        (``preserve_format``), on its device, of its dtype or the one asked for. NotImplemented when unsure:
+        another device, layout or memory format, pinned memory, other strides, inference mode."""
+        if len(args) != 1 or not kwargs.keys() <= _LIKE_KEYWORDS or torch.is_inference_mode_enabled():
+            return NotImplemented
+        x = args[0]
+        dtype = kwargs.get("dtype")
+        if not self._takes(x) or x.is_inference() or not _dense_layout(x) \
+                or not (dtype is None or isinstance(dtype, torch.dtype)) \
+                or kwargs.get("device") not in (None, x.device) or kwargs.get("layout") not in (None, torch.strided) \
+                or kwargs.get("pin_memory") or kwargs.get("memory_format") not in (None, torch.preserve_format):
+            return NotImplemented
+        return self._new(x.shape, x.stride(), x.dtype if dtype is None else dtype, x.device)
 
     def _cast(self, func, args, kwargs):
         """``_to_copy(x, dtype=...)`` on ``x``'s own device (autocast's casts, ``.float()``) of a dense ``x``, as
@@ -319,9 +391,9 @@ class FakeMode(FakeTensorMode):
             backend = torch._C._select_conv_backend(x, w, **select)
             memory_format = torch._C._conv_determine_backend_memory_format(x, w, backend)
         if memory_format == torch.contiguous_format:
-            strides = torch._prims_common.make_contiguous_strides_for
+            strides = contiguous_strides
         elif memory_format == torch.channels_last:
-            strides = torch._prims_common.make_channels_last_strides_for
+            strides = channels_last_strides
         else:
             return NotImplemented
         device = x.device
@@ -344,7 +416,7 @@ class FakeMode(FakeTensorMode):
             return NotImplemented
         x = args[0] if func is not aten.nll_loss_backward.default else args[1]
         if not self._takes(x) or x.dim() != 2 or not x.is_floating_point() \
-                or x.stride() != torch._prims_common.make_contiguous_strides_for(x.shape):
+                or x.stride() != contiguous_strides(x.shape):
             return NotImplemented
         if func is aten._log_softmax.default:
             if len(args) != 3 or type(args[1]) is not int or not -2 <= args[1] < 2 or type(args[2]) is not bool \
@@ -418,14 +490,22 @@ class FakeMode(FakeTensorMode):
         x, shape = args
         # contiguous strides exactly (not only ``is_contiguous``, which ignores the stride of a dimension of size
         # 1): torch's reshape helper keeps the input's stride on each dimension it leaves alone
-        if not self._viewable(x) or x.stride() != torch._prims_common.make_contiguous_strides_for(x.shape) \
+        if not self._viewable(x) or x.stride() != contiguous_strides(x.shape) \
                 or not isinstance(shape, (list, tuple)) or not all(type(n) is int and n >= -1 for n in shape):
             return NotImplemented
         try:
             size = torch._prims_common.infer_size(shape, x.numel())
         except (RuntimeError, ValueError):
             return NotImplemented  # the general path raises torch's own error
-        return self._on_storage(x, x.storage_offset(), size, torch._prims_common.make_contiguous_strides_for(size))
+        return self._on_storage(x, x.storage_offset(), size, contiguous_strides(size))
+
+    def _detach(self, func, args, kwargs):
+        """``detach(x)`` as torch's fake kernel makes it: ``x``'s storage, offset, sizes and strides, not requiring
+        grad. NotImplemented when unsure (``_viewable``)."""
+        if kwargs or len(args) != 1 or not self._viewable(args[0]):
+            return NotImplemented
+        x = args[0]
+        return self._on_storage(x, x.storage_offset(), x.shape, x.stride())
 
     def _split(self, func, args, kwargs):
         """``split(x, size, dim)`` and ``split_with_sizes(x, sizes, dim)`` into parts that are not empty, as torch's
@@ -461,11 +541,12 @@ class FakeMode(FakeTensorMode):
                 and (_normal(x.device) or x.device.type == "meta" and self.allow_meta))
 
     def _on_storage(self, x: FakeTensor, offset: int, size, stride) -> FakeTensor:
-        """A fake tensor of ``x``'s dtype and device on ``x``'s storage, as a view op's output is made."""
+        """A fake tensor of ``x``'s dtype and device on ``x``'s storage, as a view op's output is made (torch sets
+        the storage inside ``in_kernel_invocation_manager``, whose meta dispatch key a meta tensor has anyway)."""
+        storage = x.untyped_storage()
         with torch._C._DisableTorchDispatch():
-            empty = torch.empty_strided(size, stride, dtype=x.dtype, device="meta")
-        with in_kernel_invocation_manager(self):
-            empty.set_(x.untyped_storage(), offset, size, stride)
+            empty = torch.empty((0,), dtype=x.dtype, device="meta")
+            empty.set_(storage, offset, size, stride)
         return self._fresh(empty, x.device)
 
     def _new(self, shape, stride, dtype, device) -> FakeTensor:
