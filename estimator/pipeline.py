@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from estimator import __version__, torch_version
+from estimator.collector import holding_off_full_collections
 from estimator.errors import SpecError
 from estimator.gpus import CATALOG_VERSION
 from estimator.models import BuiltModel, build
@@ -41,6 +42,7 @@ from estimator.simulate.memory import estimate_memory  # noqa: F401  (estimator.
 from estimator.simulate.source import Progress, Simulator
 
 
+@holding_off_full_collections
 def estimate(request: EstimateRequest, *, built: BuiltModel | None = None, progress: Progress | None = None,
              align: bool | None = None, confirm: ConfirmMode | str | None = None,
              reserve_bytes: int | None = None) -> EstimateResponse:
@@ -72,6 +74,7 @@ def _sources(request: EstimateRequest, built: BuiltModel, progress: Progress | N
     return source_for
 
 
+@holding_off_full_collections
 def make_profile(request: EstimateRequest, *, built: BuiltModel | None = None,
                  progress: Progress | None = None) -> PortableProfile:
     """The portable profile of the request's model and recipe, for every attention backend the catalog uses."""
@@ -100,6 +103,7 @@ def estimate_from_profile(profile: PortableProfile, gpus: list[Any] | None = Non
     return answer(ProfileReplayer(profile), job.cards, job.plan, started=t0)
 
 
+@holding_off_full_collections
 def step_view(request: EstimateRequest, batch_size: int | None = None, *,
               response: EstimateResponse | None = None) -> StepView:
     """The first card's step, ``step_view(request).report``: at ``batch_size`` (else the request's), else at
