@@ -21,7 +21,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from estimator import __version__, torch_version
-from estimator.collector import holding_off_full_collections
 from estimator.errors import SpecError
 from estimator.gpus import CATALOG_VERSION
 from estimator.models import BuiltModel, build
@@ -38,11 +37,11 @@ from estimator.replay.view import StepView, view_of
 from estimator.request.adapt import Job, job_of, with_changes, with_planner
 from estimator.request.profile import profile_job
 from estimator.request.spec import EstimateRequest
+from estimator.simulate.collector import rare_full_collections
 from estimator.simulate.memory import estimate_memory  # noqa: F401  (estimator.pipeline.estimate_memory, as before)
 from estimator.simulate.source import Progress, Simulator
 
 
-@holding_off_full_collections
 def estimate(request: EstimateRequest, *, built: BuiltModel | None = None, progress: Progress | None = None,
              align: bool | None = None, confirm: ConfirmMode | str | None = None,
              reserve_bytes: int | None = None) -> EstimateResponse:
@@ -59,9 +58,11 @@ def estimate(request: EstimateRequest, *, built: BuiltModel | None = None, progr
 
 
 def _answer(request: EstimateRequest, job: Job, source: Simulator, t0: float | None = None) -> EstimateResponse:
-    if job.plan.world_size is not None:
-        source.prefetch_second(2, job.cards[0])  # every search needs batch 2 (a fit point, or the start)
-    return answer(source, job.cards, job.plan, source_for=_sources(request, source.built, source.progress), started=t0)
+    with rare_full_collections():  # what the estimate keeps, out of full collections' way until it answers
+        if job.plan.world_size is not None:
+            source.prefetch_second(2, job.cards[0])  # every search needs batch 2 (a fit point, or the start)
+        return answer(source, job.cards, job.plan, source_for=_sources(request, source.built, source.progress),
+                      started=t0)
 
 
 def _sources(request: EstimateRequest, built: BuiltModel, progress: Progress | None) -> SourceFor:
@@ -74,7 +75,6 @@ def _sources(request: EstimateRequest, built: BuiltModel, progress: Progress | N
     return source_for
 
 
-@holding_off_full_collections
 def make_profile(request: EstimateRequest, *, built: BuiltModel | None = None,
                  progress: Progress | None = None) -> PortableProfile:
     """The portable profile of the request's model and recipe, for every attention backend the catalog uses."""
@@ -84,9 +84,10 @@ def make_profile(request: EstimateRequest, *, built: BuiltModel | None = None,
     job = job_of(request)
     built = built or build(job.model, job.input)
     source = Simulator(built, job.recipe, progress)
-    source.prefetch_second(2, job.cards[0])
-    steps, notes = Steps(source, job.plan.reserve_bytes), Notes()
-    start = smallest_batch(steps, job.cards[0], notes)
+    with rare_full_collections():
+        source.prefetch_second(2, job.cards[0])
+        steps, notes = Steps(source, job.plan.reserve_bytes), Notes()
+        start = smallest_batch(steps, job.cards[0], notes)
     doc = request.model_dump(mode="json", exclude={"gpus", "batch_size"})
     doc["input"] = {**doc["input"], **built.input}
     versions = {"batchfit": __version__, "torch": torch_version(), "catalog": CATALOG_VERSION}
@@ -103,7 +104,6 @@ def estimate_from_profile(profile: PortableProfile, gpus: list[Any] | None = Non
     return answer(ProfileReplayer(profile), job.cards, job.plan, started=t0)
 
 
-@holding_off_full_collections
 def step_view(request: EstimateRequest, batch_size: int | None = None, *,
               response: EstimateResponse | None = None) -> StepView:
     """The first card's step, ``step_view(request).report``: at ``batch_size`` (else the request's), else at

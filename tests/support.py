@@ -1,8 +1,10 @@
 """Helpers the test modules share (fixtures live in conftest.py): the cards most tests use, the service under
-test, its problem documents and metrics, and the model a parsed request builds."""
+test, its problem documents, metrics and paused workers, and the model a parsed request builds."""
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -30,6 +32,24 @@ def service(cache: Path | None = None, *, start_workers: bool = True, raise_serv
                      start_workers=start_workers)
     with TestClient(app, raise_server_exceptions=raise_server_exceptions) as client:
         yield client
+
+
+@contextmanager
+def paused_workers(app: Any) -> Iterator[list[int]]:
+    """The service's worker processes stopped (SIGSTOP) inside the block, continued after it; their pids. A job
+    sent meanwhile waits in its worker however fast it would run: what happens while an estimate runs, tested
+    without an estimate slow enough to race."""
+    pids = [w.pid for w in app.state.pool._workers]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield pids
+    finally:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass  # killed inside the block
 
 
 def metric(client: Any, name: str) -> float:

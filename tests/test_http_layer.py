@@ -10,6 +10,7 @@ it took.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -22,7 +23,7 @@ import pytest
 import uvicorn
 from fastapi.testclient import TestClient
 from pydantic import TypeAdapter
-from support import PROBLEM
+from support import PROBLEM, paused_workers
 
 from app.cache import SingleFlight, cache_key
 from app.errors import HTTP_PROBLEMS
@@ -36,7 +37,7 @@ pytestmark = pytest.mark.service
 
 SMALL = {"model": {"source": "torchvision", "name": "resnet18"}, "gpus": ["T4-16GB"],
          "planner": {"confirm": "none", "curve_points": 0}}
-# a real estimate of several seconds (tens on a loaded machine): long enough to leave in the middle of
+# a real estimate of several simulations (half a second on a quiet host), held in the middle by paused_workers
 SLOW = {"model": {"source": "transformers", "preset": "gpt2", "config": {"n_layer": 24}}, "input": {"seq_len": 64},
         "gpus": ["T4-16GB"], "planner": {"confirm": "none", "curve_points": 0}}
 CANCELLED = "batchfit_estimates_cancelled_total"
@@ -251,13 +252,14 @@ def _worker_pids() -> set[int]:
 
 
 def test_a_running_estimate_whose_client_left_is_cancelled_and_its_worker_replaced(service) -> None:
-    url, _app = service
+    url, app = service
     pids, cancelled, left = _worker_pids(), _metric(url, CANCELLED), _metric(url, LEFT)
     assert len(pids) == 1
-    sock = _send(url, SLOW)
-    _until("the slow estimate runs", lambda: _metric(url, BUSY) == 1)
-    sock.close()
-    _until("the slow estimate is over (cancelled, or finished)", lambda: _metric(url, BUSY) == 0)
+    with paused_workers(app):  # the estimate is still running when its client leaves, however fast it is
+        sock = _send(url, SLOW)
+        _until("the slow estimate runs", lambda: _metric(url, BUSY) == 1)
+        sock.close()
+        _until("the slow estimate is over (cancelled, or finished)", lambda: _metric(url, BUSY) == 0)
     assert _metric(url, CANCELLED) == cancelled + 1  # cancelled, not finished
     small = httpx.post(f"{url}/estimate", json=SMALL, timeout=600)  # waits for the fresh worker
     assert small.status_code == 200
@@ -272,21 +274,22 @@ def test_a_queued_request_whose_client_left_leaves_the_queue_and_a_shared_estima
     url, app = service
     key = cache_key(EstimateRequest.model_validate(SLOW).model_dump(mode="json"))
     pids, cancelled, left = _worker_pids(), _metric(url, CANCELLED), _metric(url, LEFT)
-    starter = _send(url, SLOW)  # starts the slow estimate (and leaves it below)
-    _until("the slow estimate runs", lambda: _metric(url, BUSY) == 1)
-    queued = _send(url, {**SMALL, "gpus": ["A100-80GB"]})
-    _until("the small request is queued", lambda: _metric(url, BUSY) == 2)
-    queued.close()
-    _until("the small request left the queue (or got the worker)", lambda: _metric(url, BUSY) == 1)
-    assert _metric(url, CANCELLED) == cancelled + 1  # it left the queue, while the slow estimate runs
-    assert app.state.flights.waiting(key) == 1
     answers: dict[str, httpx.Response] = {}
     stayer = threading.Thread(target=lambda: answers.setdefault(
         "slow", httpx.post(f"{url}/estimate", json=SLOW, timeout=600)), daemon=True)  # the same: shares it
-    stayer.start()
-    _until("a second caller waits for the same estimate", lambda: app.state.flights.waiting(key) == 2)
-    starter.close()  # the caller that started it leaves; the second still waits: it goes on
-    _until("the starter left", lambda: app.state.flights.waiting(key) == 1)
+    with paused_workers(app):  # the slow estimate runs until all below has happened, however fast it is
+        starter = _send(url, SLOW)  # starts the slow estimate (and leaves it below)
+        _until("the slow estimate runs", lambda: _metric(url, BUSY) == 1)
+        queued = _send(url, {**SMALL, "gpus": ["A100-80GB"]})
+        _until("the small request is queued", lambda: _metric(url, BUSY) == 2)
+        queued.close()
+        _until("the small request left the queue (or got the worker)", lambda: _metric(url, BUSY) == 1)
+        assert _metric(url, CANCELLED) == cancelled + 1  # it left the queue, while the slow estimate runs
+        assert app.state.flights.waiting(key) == 1
+        stayer.start()
+        _until("a second caller waits for the same estimate", lambda: app.state.flights.waiting(key) == 2)
+        starter.close()  # the caller that started it leaves; the second still waits: it goes on
+        _until("the starter left", lambda: app.state.flights.waiting(key) == 1)
     stayer.join()
     assert answers["slow"].status_code == 200
     RESPONSE.validate_json(answers["slow"].content)
@@ -339,14 +342,16 @@ def test_a_bad_request_is_refused_before_the_stream_and_a_failed_one_ends_it_wit
 
 
 def test_closing_an_event_stream_cancels_its_estimate(service) -> None:
-    url, _app = service
+    url, app = service
     pids, cancelled = _worker_pids(), _metric(url, CANCELLED)
-    with httpx.stream("POST", f"{url}/estimate", json=SLOW, headers={"Accept": "text/event-stream"},
-                      timeout=600) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("event: progress"):
-                break  # one simulation heard: leave in the middle
-    _until("the slow estimate is over (cancelled, or finished)", lambda: _metric(url, BUSY) == 0)
+    with contextlib.ExitStack() as paused:
+        with httpx.stream("POST", f"{url}/estimate", json=SLOW, headers={"Accept": "text/event-stream"},
+                          timeout=600) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("event: progress"):
+                    break  # one simulation heard: leave in the middle
+            paused.enter_context(paused_workers(app))  # held there (the rest takes a fraction of a second)
+        _until("the slow estimate is over (cancelled, or finished)", lambda: _metric(url, BUSY) == 0)
     assert _metric(url, CANCELLED) == cancelled + 1
     _until("a fresh worker replaces the killed one", lambda: len(_worker_pids()) == 1 and _worker_pids() != pids)

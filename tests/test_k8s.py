@@ -15,7 +15,7 @@ from typing import Any
 import jsonpatch
 import pytest
 from fastapi.testclient import TestClient
-from support import metric, service
+from support import metric, paused_workers, service
 
 from app.k8s.answers import card_key
 from app.k8s.cards import node_card
@@ -295,15 +295,16 @@ def test_a_late_estimate_passes_every_node_and_the_retry_hits(tmp_path) -> None:
                               k8s_deadline_s=0.2, k8s_when_late="pass"))
     args = body("filter")
     with TestClient(app) as late:
-        first = late.post("/k8s/filter", json=args).json()
-        running = set(app.state.k8s._pending.values())  # one job for the three cards, outliving the call
-        assert len(running) == 1 and not next(iter(running)).done()
-        assert first["NodeNames"] == ["gpu-t4-1", "gpu-a100-80-1", "gpu-l4-1"]
-        assert first["FailedAndUnresolvableNodes"] == {} and first["FailedNodes"] == {}
-        assert metric(late, 'batchfit_k8s_late_total{verb="filter"}') == 1
-        assert metric(late, 'batchfit_k8s_holds_total{card="Tesla-T4"}') == 0  # passed, not held
-        scores = late.post("/k8s/prioritize", json=body("prioritize")).json()  # a subset of the same cards
-        assert all(s["Score"] == 0 for s in scores)
+        with paused_workers(app):  # the estimate waits until the calls below are answered, however fast it runs
+            first = late.post("/k8s/filter", json=args).json()
+            running = set(app.state.k8s._pending.values())  # one job for the three cards, outliving the call
+            assert len(running) == 1 and not next(iter(running)).done()
+            assert first["NodeNames"] == ["gpu-t4-1", "gpu-a100-80-1", "gpu-l4-1"]
+            assert first["FailedAndUnresolvableNodes"] == {} and first["FailedNodes"] == {}
+            assert metric(late, 'batchfit_k8s_late_total{verb="filter"}') == 1
+            assert metric(late, 'batchfit_k8s_holds_total{card="Tesla-T4"}') == 0  # passed, not held
+            scores = late.post("/k8s/prioritize", json=body("prioritize")).json()  # a subset of the same cards
+            assert all(s["Score"] == 0 for s in scores)
         wait_for_estimates(app)
         retry = late.post("/k8s/filter", json=args).json()
         assert retry["NodeNames"] == ["gpu-a100-80-1", "gpu-l4-1"] and list(retry["FailedAndUnresolvableNodes"]) == [
@@ -324,22 +325,23 @@ def test_a_late_estimate_holds_the_gpu_nodes_and_the_retry_hits(tmp_path) -> Non
     cpu["metadata"]["labels"] = {k: v for k, v in cpu["metadata"]["labels"].items() if "nvidia.com" not in k}
     args["Nodes"]["items"].append(cpu)
     with TestClient(app) as late:
-        first = late.post("/k8s/filter", json=args).json()
-        running = set(app.state.k8s._pending.values())
-        assert len(running) == 1 and not next(iter(running)).done()  # answered while the estimate runs
-        assert first["NodeNames"] == ["cpu-1"] and first["Nodes"]["items"] == [cpu]
-        assert first["FailedNodes"] == {
-            "gpu-t4-1": "batchfit: estimate pending for Tesla-T4; retry",
-            "gpu-a100-80-1": "batchfit: estimate pending for NVIDIA-A100-SXM4-80GB; retry",
-            "gpu-l4-1": "batchfit: estimate pending for NVIDIA-L4; retry"}
-        assert first["FailedAndUnresolvableNodes"] == {} and first["Error"] == ""
-        scores = late.post("/k8s/prioritize", json=body("prioritize")).json()
-        assert scores == [{"Host": "gpu-a100-80-1", "Score": 0}, {"Host": "gpu-l4-1", "Score": 0}]
-        again = late.post("/k8s/filter", json=args).json()  # a retry before the answer: held again
-        assert again["FailedNodes"] == first["FailedNodes"]
-        assert metric(late, 'batchfit_k8s_holds_total{card="Tesla-T4"}') == 2
-        assert metric(late, 'batchfit_k8s_held_pods{card="Tesla-T4"}') == 1  # one pod, held twice
-        assert metric(late, 'batchfit_k8s_held_pods{card="NVIDIA-L4"}') == 1
+        with paused_workers(app):  # the estimate waits until the calls below are answered, however fast it runs
+            first = late.post("/k8s/filter", json=args).json()
+            running = set(app.state.k8s._pending.values())
+            assert len(running) == 1 and not next(iter(running)).done()  # answered while the estimate runs
+            assert first["NodeNames"] == ["cpu-1"] and first["Nodes"]["items"] == [cpu]
+            assert first["FailedNodes"] == {
+                "gpu-t4-1": "batchfit: estimate pending for Tesla-T4; retry",
+                "gpu-a100-80-1": "batchfit: estimate pending for NVIDIA-A100-SXM4-80GB; retry",
+                "gpu-l4-1": "batchfit: estimate pending for NVIDIA-L4; retry"}
+            assert first["FailedAndUnresolvableNodes"] == {} and first["Error"] == ""
+            scores = late.post("/k8s/prioritize", json=body("prioritize")).json()
+            assert scores == [{"Host": "gpu-a100-80-1", "Score": 0}, {"Host": "gpu-l4-1", "Score": 0}]
+            again = late.post("/k8s/filter", json=args).json()  # a retry before the answer: held again
+            assert again["FailedNodes"] == first["FailedNodes"]
+            assert metric(late, 'batchfit_k8s_holds_total{card="Tesla-T4"}') == 2
+            assert metric(late, 'batchfit_k8s_held_pods{card="Tesla-T4"}') == 1  # one pod, held twice
+            assert metric(late, 'batchfit_k8s_held_pods{card="NVIDIA-L4"}') == 1
         wait_for_estimates(app)
         retry = late.post("/k8s/filter", json=args).json()
         assert retry["NodeNames"] == ["gpu-a100-80-1", "gpu-l4-1", "cpu-1"] and retry["FailedNodes"] == {}
@@ -414,9 +416,10 @@ def test_the_webhook_starts_a_pods_estimates_on_the_clusters_cards(tmp_path) -> 
     args = body("filter")
     args["Pod"]["metadata"]["annotations"] = dict(pod["metadata"]["annotations"])
     with TestClient(app) as c:
-        (warning,) = c.post("/k8s/mutate", json=review).json()["response"]["warnings"]
-        assert warning.startswith("batchfit: not changed: the pod is not pinned to a GPU type")
-        assert len(app.state.k8s._pending) == 1 and metric(c, "batchfit_k8s_estimates_total") == 1  # the T4
+        with paused_workers(app):  # the estimates wait while the started jobs are counted, however fast they run
+            (warning,) = c.post("/k8s/mutate", json=review).json()["response"]["warnings"]
+            assert warning.startswith("batchfit: not changed: the pod is not pinned to a GPU type")
+            assert len(app.state.k8s._pending) == 1 and metric(c, "batchfit_k8s_estimates_total") == 1  # the T4
         wait_for_estimates(app)
         out = c.post("/k8s/filter", json=args).json()  # the T4 ready; the A100 and L4 nodes seen for the first time
         assert set(out["FailedNodes"]) == {"gpu-a100-80-1", "gpu-l4-1"}
@@ -424,9 +427,10 @@ def test_the_webhook_starts_a_pods_estimates_on_the_clusters_cards(tmp_path) -> 
         wait_for_estimates(app)
         pod["metadata"]["annotations"]["batchfit.io/batch-size"] = "32"  # another request: nothing known for it
         args["Pod"]["metadata"]["annotations"]["batchfit.io/batch-size"] = "32"
-        c.post("/k8s/mutate", json=review)
-        assert len(app.state.k8s._pending) == 3  # the configured T4 and the two cards seen, in one job
-        assert metric(c, "batchfit_k8s_estimates_total") == 3
+        with paused_workers(app):
+            c.post("/k8s/mutate", json=review)
+            assert len(app.state.k8s._pending) == 3  # the configured T4 and the two cards seen, in one job
+            assert metric(c, "batchfit_k8s_estimates_total") == 3
         wait_for_estimates(app)
         ready = c.post("/k8s/filter", json=args).json()
         assert ready["FailedNodes"] == {} and metric(c, "batchfit_k8s_estimates_total") == 3  # all found ready

@@ -17,7 +17,7 @@ import jsonpatch
 import pytest
 from fastapi.testclient import TestClient
 from kubernetes.client import ApiClient
-from support import service
+from support import paused_workers, service
 
 from app.k8s.claims import REFERENCE_CARD
 from app.main import create_app
@@ -228,9 +228,10 @@ def test_a_late_estimate_leaves_the_claim_unchanged_and_goes_on(tmp_path) -> Non
                               k8s_deadline_s=0.05))
     review = body("admission_claim_template_v1beta1")
     with TestClient(app) as late:
-        first = late.post("/k8s/mutate", json=review).json()["response"]
-        running = set(app.state.k8s._pending.values())
-        assert len(running) == 1 and not next(iter(running)).done()  # answered while the estimate still runs
+        with paused_workers(app):  # the estimate waits until the call is answered, however fast it runs
+            first = late.post("/k8s/mutate", json=review).json()["response"]
+            running = set(app.state.k8s._pending.values())
+            assert len(running) == 1 and not next(iter(running)).done()  # answered while the estimate still runs
         assert first["allowed"] is True and "patch" not in first
         assert first["warnings"] == ["batchfit: not changed: the estimate is still running; it is kept, create the "
                                      "ResourceClaimTemplate again to size it"]

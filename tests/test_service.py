@@ -8,7 +8,7 @@ import time
 
 import pytest
 from fastapi.testclient import TestClient
-from support import PROBLEM, service
+from support import PROBLEM, paused_workers, service
 
 from app.main import create_app
 from app.settings import Settings
@@ -84,15 +84,16 @@ def test_queue_full_is_503_with_retry_after(client) -> None:
             "input": {"seq_len": 64}}
     results = {}
     t = threading.Thread(target=lambda: results.setdefault("slow", client.post("/estimate", json=slow)))
-    t.start()
-    deadline = time.time() + 30
-    while time.time() < deadline:  # wait until the one worker is busy
-        if "batchfit_workers_busy 1.0" in client.get("/metrics").text:
-            break
-        time.sleep(0.05)
-    other = {**SMALL, "gpus": ["A100-80GB"]}
-    r = client.post("/estimate", json=other)
-    assert r.status_code == 503 and r.headers["retry-after"] == "5" and r.headers["content-type"] == PROBLEM
+    with paused_workers(client.app):  # the one worker stays busy with it until the second is refused
+        t.start()
+        deadline = time.time() + 30
+        while time.time() < deadline:  # wait until the one worker is busy
+            if "batchfit_workers_busy 1.0" in client.get("/metrics").text:
+                break
+            time.sleep(0.05)
+        other = {**SMALL, "gpus": ["A100-80GB"]}
+        r = client.post("/estimate", json=other)
+        assert r.status_code == 503 and r.headers["retry-after"] == "5" and r.headers["content-type"] == PROBLEM
     t.join()
     assert results["slow"].status_code == 200
     assert client.get("/healthz").status_code == 200
@@ -150,17 +151,17 @@ def test_a_killed_worker_is_a_503_and_is_replaced() -> None:
     import signal
 
     app = create_app(Settings(workers=1, cache_path="", request_timeout_s=300))
-    slow = {"model": {"source": "torchvision", "name": "resnet50"}}  # the whole catalog: several seconds
+    slow = {"model": {"source": "torchvision", "name": "resnet50"}}  # the whole catalog
     results = {}
     with TestClient(app) as c:
         t = threading.Thread(target=lambda: results.setdefault("slow", c.post("/estimate", json=slow)))
-        t.start()
         pool = app.state.pool
-        deadline = time.time() + 60
-        while pool.busy == 0 and time.time() < deadline:
-            time.sleep(0.05)
-        time.sleep(1.0)  # inside the estimate
-        os.kill(pool._workers[0].process.pid, signal.SIGKILL)
+        with paused_workers(app) as (pid,):  # the job is sent and the worker is still at it, however fast it runs
+            t.start()
+            deadline = time.time() + 60
+            while pool.busy == 0 and time.time() < deadline:
+                time.sleep(0.01)
+            os.kill(pid, signal.SIGKILL)
         t.join(120)
         r = results["slow"]
         assert r.status_code == 503 and r.headers["content-type"] == PROBLEM, r.text

@@ -14,11 +14,9 @@ young ones (most of the cyclic garbage: each step's autograd and module objects)
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import threading
-from collections.abc import Callable, Iterator
-from typing import ParamSpec, TypeVar
+from collections.abc import Iterator
 
 # the oldest generation's threshold inside an estimate: its younger collections before a full one (CPython's: 10)
 HELD_OFF = 100_000
@@ -26,9 +24,6 @@ HELD_OFF = 100_000
 _lock = threading.Lock()
 _depth = 0  # estimates running in this process (threads, or one inside another)
 _saved: int | None = None  # the oldest generation's threshold before the first
-
-P = ParamSpec("P")
-R = TypeVar("R")
 
 
 @contextlib.contextmanager
@@ -51,12 +46,3 @@ def rare_full_collections() -> Iterator[None]:
                 first, second, _ = gc.get_threshold()
                 gc.set_threshold(first, second, _saved)
                 _saved = None
-
-
-def holding_off_full_collections(fn: Callable[P, R]) -> Callable[P, R]:
-    """``fn`` run inside ``rare_full_collections``."""
-    @functools.wraps(fn)
-    def run(*args: P.args, **kwargs: P.kwargs) -> R:
-        with rare_full_collections():
-            return fn(*args, **kwargs)
-    return run
