@@ -109,10 +109,10 @@ def serve(conn: Connection) -> None:
         to_json,
         validate_on_gpu,
         validation_json,
-        warm_libraries,
+        warm_up,
     )
 
-    warm_libraries()  # the model libraries, imported once here rather than in each cold estimate
+    warm_up()  # the model libraries imported once here rather than in each cold estimate; torch's lazy state set up
     # what the imports made lives as long as the worker: out of the collector's way (its full collections no longer
     # scan it: ~0.3 s each inside an estimate of a deep model), and of forked children's (estimator.simulate.background)
     gc.freeze()

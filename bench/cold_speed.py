@@ -1,6 +1,6 @@
 """Cold estimates, as a scheduler meets them: each request in a new process (as a service worker answers a
-request its cache has not seen: the libraries imported, no trace of this model yet), as a ratio to one real
-CPU training step of resnet50 at batch 32 measured in this run.
+request its cache has not seen: the libraries imported and torch's lazy state set up by ``estimator.warm_up``, no
+trace of this model yet), as a ratio to one real CPU training step of resnet50 at batch 32 measured in this run.
 
 Prints, per case: the seconds of ``estimate`` in that process (imports excluded: a worker has them), the
 full simulations it ran and the seconds with the imports; then each case's ratio to the median of the CPU steps
@@ -47,8 +47,8 @@ import json, sys, time
 t0 = time.perf_counter()
 from estimator.pipeline import estimate
 from estimator.request.parse import parse_request
-from estimator import warm_libraries
-warm_libraries()  # what a worker has imported before its first request (app/worker.py), frozen as it does
+from estimator import warm_up
+warm_up()  # what a worker has done before its first request (app/worker.py), frozen as it does
 import gc
 gc.freeze()
 t1 = time.perf_counter()

@@ -65,6 +65,7 @@ _PUBLIC = {
     "catalog": "estimator.gpus",
     "model_sources": "estimator.models",
     "warm_libraries": "estimator.models.registry:warm",
+    "warm_up": "estimator.pipeline",
     "validate_on_gpu": "estimator.measure.cuda:validate",
     "validation_json": "estimator.measure.cuda:as_json",
 }

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from estimator import __version__, torch_version
-from estimator.errors import SpecError
+from estimator.errors import BatchfitError, SpecError
 from estimator.gpus import CATALOG_VERSION
 from estimator.models import BuiltModel, build
 from estimator.options import ConfirmMode
@@ -35,6 +35,7 @@ from estimator.replay.snapshot import snapshot_of
 from estimator.replay.timeline import Timeline, timeline_of
 from estimator.replay.view import StepView, view_of
 from estimator.request.adapt import Job, job_of, with_changes, with_planner
+from estimator.request.parse import parse_request
 from estimator.request.profile import profile_job
 from estimator.request.spec import EstimateRequest
 from estimator.simulate.collector import rare_full_collections
@@ -73,6 +74,40 @@ def _sources(request: EstimateRequest, built: BuiltModel, progress: Progress | N
         label = ", with " + ", ".join(f"{k}={json.dumps(v)}" for k, v in change.items())
         return Simulator(model, job.recipe, progress, label=label)
     return source_for
+
+
+# what ``warm_up`` simulates, one step each on one card: a small CNN and a small transformer (the paths a process's
+# first simulations take: cuDNN's backend queries, the fake mode's first dispatches, the engine, AdamW, autocast)
+_WARM_UPS = (
+    {"model": {"source": "torchvision", "name": "resnet18"}, "input": {"image_size": [3, 32, 32]}},
+    {"model": {"source": "transformers", "task": "causal-lm",
+               "config": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+                          "max_position_embeddings": 256, "num_hidden_layers": 2}},
+     "input": {"seq_len": 32}, "training": {"precision": "amp-bf16"}},
+)
+
+
+def warm_up() -> list[str]:
+    """What a service worker does before its first request (app/worker.py): import every installed model library
+    (``estimator.models.registry.warm``; its names are returned) and simulate one step of a small CNN and of a small
+    transformer, so that a cold estimate's first simulations find torch's lazy state set up (~25 ms off a cold
+    resnet50 estimate of ~0.35 s: cuDNN's first backend choice alone is ~7 ms in each process); then collect what
+    they left. Nothing of them is kept but torch's own lazily set-up state: a request's answer is the same either
+    way. A step a library's absence refuses is skipped."""
+    import gc
+
+    from estimator.models.registry import warm
+
+    done = warm()
+    for doc in _WARM_UPS:
+        try:
+            job = job_of(parse_request(doc))
+            Simulator(build(job.model, job.input), job.recipe).simulate(2, job.cards[0])
+        except BatchfitError:
+            continue
+    gc.collect()
+    return done
 
 
 def make_profile(request: EstimateRequest, *, built: BuiltModel | None = None,
