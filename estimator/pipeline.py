@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from estimator import __version__, torch_version
-from estimator.errors import BatchfitError, SpecError
+from estimator.errors import SpecError
 from estimator.gpus import CATALOG_VERSION
 from estimator.models import BuiltModel, build
 from estimator.options import ConfirmMode
@@ -94,7 +94,8 @@ def warm_up() -> list[str]:
     transformer, so that a cold estimate's first simulations find torch's lazy state set up (~25 ms off a cold
     resnet50 estimate of ~0.35 s: cuDNN's first backend choice alone is ~7 ms in each process); then collect what
     they left. Nothing of them is kept but torch's own lazily set-up state: a request's answer is the same either
-    way. A step a library's absence refuses is skipped."""
+    way. A step that fails is skipped (a library's absence refuses it): a warm-up never keeps a worker from
+    serving."""
     import gc
 
     from estimator.models.registry import warm
@@ -104,7 +105,7 @@ def warm_up() -> list[str]:
         try:
             job = job_of(parse_request(doc))
             Simulator(build(job.model, job.input), job.recipe).simulate(2, job.cards[0])
-        except BatchfitError:
+        except Exception:  # noqa: BLE001 - only a head start: the first request then pays for what it skipped
             continue
     gc.collect()
     return done

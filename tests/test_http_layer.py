@@ -344,8 +344,11 @@ def test_a_bad_request_is_refused_before_the_stream_and_a_failed_one_ends_it_wit
 def test_closing_an_event_stream_cancels_its_estimate(service) -> None:
     url, app = service
     pids, cancelled = _worker_pids(), _metric(url, CANCELLED)
+    # every card's max confirmed by two full simulations: many more after the first than the pause below needs
+    slower = {**SLOW, "gpus": ["T4-16GB", "L4-24GB", "A10G-24GB", "A100-40GB", "A100-80GB", "H100-80GB"],
+              "planner": {"confirm": "every-card", "curve_points": 0}}
     with contextlib.ExitStack() as paused:
-        with httpx.stream("POST", f"{url}/estimate", json=SLOW, headers={"Accept": "text/event-stream"},
+        with httpx.stream("POST", f"{url}/estimate", json=slower, headers={"Accept": "text/event-stream"},
                           timeout=600) as r:
             assert r.status_code == 200
             for line in r.iter_lines():

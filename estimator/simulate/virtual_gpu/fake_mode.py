@@ -90,9 +90,10 @@ _FRESH_STATE: dict[str, Any] = {
 
 
 def _normal(device: torch.device) -> bool:
-    """Whether a fake tensor keeps ``device`` as it is (``FakeTensor._normalize_fake_device`` gives a GPU its
-    index) and may be on it (not the meta device)."""
-    return device.type != "meta" and (device.index is not None or device.type not in ("cuda", "xpu"))
+    """Whether a fake tensor keeps ``device`` as it is and may be on it: the CPU, or a device with an index
+    (``FakeTensor._normalize_fake_device`` gives a GPU one, and torch's path another device type's, or its error),
+    not the meta device."""
+    return device.type != "meta" and (device.index is not None or device.type == "cpu")
 
 
 _CUDNN_BN_BACKWARD = torch.ops.aten.cudnn_batch_norm_backward.default
@@ -120,6 +121,8 @@ _IN_PLACE = {op: keywords for ops, keywords in (
     ((aten.add_.Tensor, aten.sub_.Tensor), frozenset({"alpha"})),
 ) for op in ops}
 _LIKE = frozenset({aten.zeros_like.default, aten.empty_like.default, aten.ones_like.default})
+# dtypes a factory shortcut leaves to torch (its own errors and warnings)
+_QUANTIZED = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4})
 _LIKE_KEYWORDS = frozenset({"dtype", "layout", "device", "pin_memory", "memory_format"})
 _CONVOLUTIONS = frozenset({aten.convolution.default, aten.convolution_backward.default})
 # cross entropy's four ops (log-softmax, NLL loss, their backwards): once a step each, ~15 ms of Python references
@@ -273,7 +276,7 @@ class FakeMode(FakeTensorMode):
         strides (``_dense_layout``: no element written twice), the other tensors of its shape, dtype and device on
         other storages, as torch's kernel ends: ``self`` itself (autograd bumps its version above this mode).
         NotImplemented when unsure: a broadcast, another dtype (a promotion torch may refuse), a storage shared
-        with ``self`` (torch checks the overlap), another keyword, inference mode."""
+        with ``self`` (a real kernel checks the overlap), another keyword, inference mode."""
         if not args or not kwargs.keys() <= _IN_PLACE[func] or torch.is_inference_mode_enabled():
             return NotImplemented
         x = args[0]
@@ -292,7 +295,8 @@ class FakeMode(FakeTensorMode):
         """``empty_strided(size, stride)`` on a device this mode keeps as it is, not the CPU, as torch's
         constructor path makes it: a new tensor of those sizes and strides, of the dtype asked for (else the
         default one). NotImplemented when unsure: a negative size or stride, lengths that differ, another layout,
-        pinned memory, no device or a device given otherwise than as a ``torch.device``, inference mode."""
+        pinned memory, a quantized dtype, no device or a device given otherwise than as a ``torch.device`` with an
+        index, inference mode."""
         if len(args) != 2 or not kwargs.keys() <= {"dtype", "layout", "device", "pin_memory"} \
                 or torch.is_inference_mode_enabled():
             return NotImplemented
@@ -301,7 +305,7 @@ class FakeMode(FakeTensorMode):
         if not (isinstance(size, (list, tuple)) and isinstance(stride, (list, tuple)) and len(size) == len(stride)
                 and all(type(n) is int and n >= 0 for n in (*size, *stride))) \
                 or not isinstance(device, torch.device) or not _normal(device) or device.type == "cpu" \
-                or not (dtype is None or isinstance(dtype, torch.dtype)) \
+                or not (dtype is None or isinstance(dtype, torch.dtype) and dtype not in _QUANTIZED) \
                 or kwargs.get("layout") not in (None, torch.strided) or kwargs.get("pin_memory"):
             return NotImplemented
         return self._new(tuple(size), tuple(stride), torch.get_default_dtype() if dtype is None else dtype, device)
@@ -310,13 +314,14 @@ class FakeMode(FakeTensorMode):
         """``zeros_like``, ``empty_like`` and ``ones_like`` of a tensor with contiguous or channels-last strides
         (``_dense_layout``), as torch's constructor path makes them: a new tensor with its sizes and strides
         (``preserve_format``), on its device, of its dtype or the one asked for. NotImplemented when unsure:
-        another device, layout or memory format, pinned memory, other strides, inference mode."""
+        another device, layout or memory format, pinned memory, a quantized dtype, other strides, inference
+        mode."""
         if len(args) != 1 or not kwargs.keys() <= _LIKE_KEYWORDS or torch.is_inference_mode_enabled():
             return NotImplemented
         x = args[0]
         dtype = kwargs.get("dtype")
-        if not self._takes(x) or x.is_inference() or not _dense_layout(x) \
-                or not (dtype is None or isinstance(dtype, torch.dtype)) \
+        if not self._takes(x) or x.is_inference() or not _dense_layout(x) or x.dtype in _QUANTIZED \
+                or not (dtype is None or isinstance(dtype, torch.dtype) and dtype not in _QUANTIZED) \
                 or kwargs.get("device") not in (None, x.device) or kwargs.get("layout") not in (None, torch.strided) \
                 or kwargs.get("pin_memory") or kwargs.get("memory_format") not in (None, torch.preserve_format):
             return NotImplemented
@@ -527,6 +532,9 @@ class FakeMode(FakeTensorMode):
                 or sum(parts) != length:
             return NotImplemented
         out, start, stride = [], x.storage_offset(), x.stride()
+        if length and x.numel() and (start + sum((k - 1) * st for k, st in zip(x.shape, stride, strict=True)) + 1) \
+                * x.element_size() > x.untyped_storage().nbytes():
+            return NotImplemented  # a storage resized below the tensor (FSDP frees a parameter so): set_ would grow it
         for n in parts:
             out.append(self._on_storage(x, start, (*x.shape[:dim], n, *x.shape[dim + 1:]), stride))
             start += n * stride[dim]

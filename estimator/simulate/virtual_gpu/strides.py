@@ -4,7 +4,8 @@ torch's own take symbolic sizes too, so each call goes through ``sym_max``, ``gu
 comparison class written for unbacked symbols: 5-10 µs a call, several times for each op a fake-mode shortcut
 makes (``fake_mode.py``) and each gradient the engine accumulates (``engine.py``). These give the same answers
 for int sizes and strides (tests/test_fast_paths.py compares them over shapes, permutations, slices, expanded and
-empty tensors) and hand anything else to torch's.
+empty tensors); the callers give them nothing else (the shortcuts take no symbolic sizes), and
+``non_overlapping_and_dense`` hands a tensor with a zero stride, symbolic sizes or another layout to torch's.
 """
 
 from __future__ import annotations
