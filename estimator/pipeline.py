@@ -91,8 +91,8 @@ _WARM_UPS = (
 def warm_up() -> list[str]:
     """What a service worker does before its first request (app/worker.py): import every installed model library
     (``estimator.models.registry.warm``; its names are returned) and simulate one step of a small CNN and of a small
-    transformer, so that a cold estimate's first simulations find torch's lazy state set up (~25 ms off a cold
-    resnet50 estimate of ~0.35 s: cuDNN's first backend choice alone is ~7 ms in each process); then collect what
+    transformer, so that a cold estimate's first simulations find torch's lazy state set up (~15-20 ms off a cold
+    resnet50 estimate of ~0.38 s: cuDNN's first backend choice alone is ~7 ms in each process); then collect what
     they left. Nothing of them is kept but torch's own lazily set-up state: a request's answer is the same either
     way. A step that fails is skipped (a library's absence refuses it): a warm-up never keeps a worker from
     serving."""

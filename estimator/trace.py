@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from enum import StrEnum
+from operator import attrgetter
 from typing import Any, Protocol
 
 
@@ -89,7 +90,7 @@ class Trace:
     def __reduce__(self) -> tuple[Any, tuple[list[tuple[Any, ...]], dict[str, Any]]]:
         """Pickled with its allocations as rows of their fields, not one object each (a simulation forked to a
         child comes back pickled: a deep model's trace of ~18k allocations loads in ~10 ms instead of ~130)."""
-        rows = [(a.nbytes, a.phase, a.module, a.op, a.iteration, a.category, a.stream) for a in self.allocations]
+        rows = [_ROW(a) for a in self.allocations]
         rest = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "allocations"}
         return _unpickled, (rows, rest)
 
@@ -128,6 +129,9 @@ class Trace:
             if live > peak:
                 peak, idx = live, i
         return peak, idx
+
+
+_ROW = attrgetter(*(f.name for f in fields(Allocation)))  # an allocation's fields, in order: a pickled row
 
 
 def _unpickled(rows: list[tuple[Any, ...]], rest: dict[str, Any]) -> Trace:

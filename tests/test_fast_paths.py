@@ -518,6 +518,7 @@ def test_the_stride_helpers_are_torchs() -> None:
     import itertools
 
     from torch._prims_common import (
+        compute_required_storage_length,
         is_non_overlapping_and_dense_or_false,
         make_channels_last_strides_for,
         make_contiguous_strides_for,
@@ -527,6 +528,7 @@ def test_the_stride_helpers_are_torchs() -> None:
         channels_last_strides,
         contiguous_strides,
         non_overlapping_and_dense,
+        storage_length,
     )
 
     checked = 0
@@ -543,6 +545,9 @@ def test_the_stride_helpers_are_torchs() -> None:
                 views.append(base.to(memory_format=torch.channels_last))
             for t in views:
                 assert non_overlapping_and_dense(t) == is_non_overlapping_and_dense_or_false(t), (t.shape, t.stride())
+                for offset in (0, 5):
+                    assert storage_length(t.shape, t.stride(), offset) == \
+                        compute_required_storage_length(t.shape, t.stride(), offset)
                 checked += 1
     assert checked > 8000
 

@@ -33,7 +33,7 @@ from torch._subclasses.fake_tensor import (
 from torch.utils._mode_utils import no_dispatch
 
 from estimator.simulate.virtual_gpu.cudnn_rnn import FAKE_KERNELS as _CUDNN_RNN_KERNELS
-from estimator.simulate.virtual_gpu.strides import channels_last_strides, contiguous_strides
+from estimator.simulate.virtual_gpu.strides import channels_last_strides, contiguous_strides, storage_length
 from estimator.simulate.virtual_gpu.strides import non_overlapping_and_dense as is_non_overlapping_and_dense
 
 aten = torch.ops.aten
@@ -532,8 +532,7 @@ class FakeMode(FakeTensorMode):
                 or sum(parts) != length:
             return NotImplemented
         out, start, stride = [], x.storage_offset(), x.stride()
-        if length and x.numel() and (start + sum((k - 1) * st for k, st in zip(x.shape, stride, strict=True)) + 1) \
-                * x.element_size() > x.untyped_storage().nbytes():
+        if storage_length(x.shape, stride, start) * x.element_size() > x.untyped_storage().nbytes():
             return NotImplemented  # a storage resized below the tensor (FSDP frees a parameter so): set_ would grow it
         for n in parts:
             out.append(self._on_storage(x, start, (*x.shape[:dim], n, *x.shape[dim + 1:]), stride))

@@ -2,7 +2,8 @@
 
 torch's own take symbolic sizes too, so each call goes through ``sym_max``, ``guard_or_false`` and a sort by a
 comparison class written for unbacked symbols: 5-10 µs a call, several times for each op a fake-mode shortcut
-makes (``fake_mode.py``) and each gradient the engine accumulates (``engine.py``). These give the same answers
+makes (``fake_mode.py``) and each gradient the engine accumulates (``engine.py``); ``storage_length`` is
+``compute_required_storage_length``'s. These give the same answers
 for int sizes and strides (tests/test_fast_paths.py compares them over shapes, permutations, slices, expanded and
 empty tensors); the callers give them nothing else (the shortcuts take no symbolic sizes), and
 ``non_overlapping_and_dense`` hands a tensor with a zero stride, symbolic sizes or another layout to torch's.
@@ -32,6 +33,14 @@ def channels_last_strides(shape: Sequence[int]) -> tuple[int, ...]:
     size 0 counted as 0, as torch's does)."""
     n, c, h, w = shape
     return (h * w * c, 1, w * c, c)
+
+
+def storage_length(shape: Sequence[int], stride: Sequence[int], offset: int) -> int:
+    """``compute_required_storage_length(shape, stride, offset)``: the elements a storage needs to hold a tensor
+    of that geometry (0 for an empty one)."""
+    if 0 in shape:
+        return 0
+    return offset + 1 + sum((n - 1) * st for n, st in zip(shape, stride, strict=True))
 
 
 def non_overlapping_and_dense(t: torch.Tensor) -> bool:
